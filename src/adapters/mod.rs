@@ -1,0 +1,1 @@
+//! Adapters do the IO: clocks, replay (virtual time, trace readers), live (processes, transport).

@@ -1,0 +1,73 @@
+//! Facts, record framing, the per-worker stream format, and runs of several streams.
+//!
+//! ## Stream format, version 1
+//! ```text
+//! stream  := header record*
+//! header  := MAGIC(8) format_version(u16 LE) codec_id(u16 LE) header_len(u32 LE)
+//!            header_crc(u32 LE, crc32 of header bytes) header_bytes(StreamHeader, codec)
+//! record  := len(u32 LE, bytes after the crc) crc(u32 LE, crc32 of the bytes after it)
+//!            seq(u64 LE) at_ns(u64 LE) fact(codec)
+//! ```
+//! A record's `seq` starts at 0 and rises by one per record in its stream. Only a torn tail of
+//! the last record may be cut on open; any other damage is an error naming the byte offset.
+
+pub mod codec;
+pub mod fact;
+
+pub use fact::{
+    BlockHash, Fact, KvDelta, MessageKind, MessageRejection, RejectReason, TerminalStatus,
+};
+
+use crate::ids::{Backend, ClockDomain, HandoffPolicy, WorkerId};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// The first eight bytes of every stream file.
+pub const MAGIC: [u8; 8] = *b"HOFFLOG\0";
+/// The stream format this build writes (and the only one it reads so far).
+pub const FORMAT_VERSION: u16 = 1;
+
+/// What a fold needs to know about the engine behind a stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineShape {
+    /// Physical KV blocks (pages) on the worker.
+    pub total_blocks: u32,
+    /// Tokens per block (page).
+    pub block_size: u32,
+    /// Request slots (SGLang) or running-sequence limit (vLLM `max_num_seqs`).
+    pub max_request_slots: u32,
+    /// The full engine configuration as JSON, for reports and diff context.
+    pub config_json: String,
+}
+
+impl EngineShape {
+    /// The router stream has no engine.
+    pub fn none() -> Self {
+        EngineShape { total_blocks: 0, block_size: 0, max_request_slots: 0, config_json: String::new() }
+    }
+}
+
+/// Everything a reader must know before the first record of a stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamHeader {
+    /// The run this stream belongs to; all streams of one run share it.
+    pub run_id: Uuid,
+    /// The worker (its role included) that wrote the stream.
+    pub worker: WorkerId,
+    pub backend: Backend,
+    pub policy: HandoffPolicy,
+    pub clock: ClockDomain,
+    /// The run's one seed (0 for live workers seeded from entropy).
+    pub seed: u64,
+    pub engine: EngineShape,
+}
+
+/// One framed fact.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    /// Position in its stream, from 0.
+    pub seq: u64,
+    /// When it happened, on the stream's clock.
+    pub at_ns: u64,
+    pub fact: Fact,
+}

@@ -1,0 +1,314 @@
+//! Identity, role and policy types shared by every layer.
+//!
+//! Everything here is plain data: serializable, ordered where order is observed, and free of
+//! clocks. A [`HandoffId`] is minted from the run's seeded RNG ([`IdMint`]) so that a replay with
+//! the same trace and seed writes byte-identical logs.
+
+use rand::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use uuid::Uuid;
+
+/// One handoff *attempt*. Never reused: a retry or a restart gets a new id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct HandoffId(pub Uuid);
+
+impl fmt::Display for HandoffId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl std::str::FromStr for HandoffId {
+    type Err = uuid::Error;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Uuid::parse_str(s).map(HandoffId)
+    }
+}
+
+/// One incarnation of a worker process. A restarted worker gets a higher generation, and every
+/// message it sends carries it, so messages from an older incarnation can be told apart and
+/// rejected.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub struct Generation(pub u32);
+
+/// A source pin, minted by the prefill core when terminal prefill ownership becomes held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct SourceLeaseId(pub u64);
+
+/// A destination reservation, minted by the decode core when it reserves for a handoff.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct DestinationReservationId(pub u64);
+
+/// A request as the trace and the router know it (the trace line index in replay).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub struct RequestId(pub u64);
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "r{}", self.0)
+    }
+}
+
+/// What a worker does in a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Role {
+    /// Prefill worker: the source of handoffs.
+    Prefill,
+    /// Decode worker: the destination of handoffs.
+    Decode,
+    /// Aggregated worker: prefill and decode on one engine, no handoff.
+    Aggregated,
+    /// The frontend / router: bookings and request arrivals.
+    Router,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Aggregated => "agg",
+            Role::Router => "router",
+        }
+    }
+}
+
+/// A worker and its data-parallel rank (`WorkerWithDpRank` in the proposal). Ordered by role,
+/// then index, then rank: this is the order in which streams are merged at equal timestamps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct WorkerId {
+    pub role: Role,
+    pub index: u32,
+    pub dp_rank: u32,
+}
+
+impl WorkerId {
+    pub const ROUTER: WorkerId = WorkerId { role: Role::Router, index: 0, dp_rank: 0 };
+
+    pub fn prefill(index: u32) -> Self {
+        WorkerId { role: Role::Prefill, index, dp_rank: 0 }
+    }
+    pub fn decode(index: u32) -> Self {
+        WorkerId { role: Role::Decode, index, dp_rank: 0 }
+    }
+    pub fn aggregated(index: u32) -> Self {
+        WorkerId { role: Role::Aggregated, index, dp_rank: 0 }
+    }
+}
+
+impl fmt::Display for WorkerId {
+    /// `prefill-0`, `decode-3`, `agg-1.2` (rank shown only when non-zero), `router`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.role == Role::Router {
+            return write!(f, "router");
+        }
+        write!(f, "{}-{}", self.role.as_str(), self.index)?;
+        if self.dp_rank != 0 {
+            write!(f, ".{}", self.dp_rank)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::str::FromStr for WorkerId {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "router" {
+            return Ok(WorkerId::ROUTER);
+        }
+        let (role, rest) = s
+            .split_once('-')
+            .ok_or_else(|| format!("worker `{s}`: expected ROLE-INDEX[.RANK], e.g. prefill-0"))?;
+        let role = match role {
+            "prefill" => Role::Prefill,
+            "decode" => Role::Decode,
+            "agg" => Role::Aggregated,
+            other => return Err(format!("worker `{s}`: unknown role `{other}`")),
+        };
+        let (index, rank) = match rest.split_once('.') {
+            Some((i, r)) => (i, r),
+            None => (rest, "0"),
+        };
+        let index = index.parse().map_err(|_| format!("worker `{s}`: bad index `{index}`"))?;
+        let dp_rank = rank.parse().map_err(|_| format!("worker `{s}`: bad rank `{rank}`"))?;
+        Ok(WorkerId { role, index, dp_rank })
+    }
+}
+
+/// The engine a worker models.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Backend {
+    Vllm,
+    Sglang,
+    /// Modeled only far enough to refuse destination reservation (the proposal defers it).
+    TrtLlm,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Vllm => "vllm",
+            Backend::Sglang => "sglang",
+            Backend::TrtLlm => "trtllm",
+        }
+    }
+    /// The policy the real engine follows.
+    pub fn native_policy(self) -> HandoffPolicy {
+        match self {
+            Backend::Vllm | Backend::TrtLlm => HandoffPolicy::SourceFirst,
+            Backend::Sglang => HandoffPolicy::DestinationFirst,
+        }
+    }
+}
+
+/// In which order the two roles acquire their resources.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum HandoffPolicy {
+    /// Plain behaviour: no source pin, no destination reservation.
+    Disabled,
+    /// vLLM: prefill finishes and pins; decode reserves later.
+    SourceFirst,
+    /// SGLang: decode reserves slot + pages + headroom before prefill is dispatched.
+    DestinationFirst,
+}
+
+impl HandoffPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HandoffPolicy::Disabled => "disabled",
+            HandoffPolicy::SourceFirst => "source-first",
+            HandoffPolicy::DestinationFirst => "destination-first",
+        }
+    }
+}
+
+/// What a handoff will need at the destination.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KvHandoffDemand {
+    pub context_tokens: u32,
+    pub max_output_tokens: u32,
+}
+
+/// Whether a stream's timestamps come from a virtual (replay) or wall (live) clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ClockDomain {
+    Virtual,
+    Wall,
+}
+
+/// Why a handoff, lease or reservation ended other than by success.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum CancelReason {
+    /// The client or frontend aborted the request.
+    RequestAborted,
+    /// The destination could never be reserved (e.g. the prompt can never fit there).
+    DestinationRejected,
+    /// The backend does not support this operation (TRT-LLM destination reservation).
+    Unsupported,
+    /// The transfer failed.
+    TransferFailed,
+    /// The peer's session ended (restart, disconnect).
+    PeerLost,
+    /// This worker's own session ended.
+    OwnerLost,
+    /// The run ended with the handoff unresolved (replay teardown).
+    Teardown,
+}
+
+impl CancelReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CancelReason::RequestAborted => "request-aborted",
+            CancelReason::DestinationRejected => "destination-rejected",
+            CancelReason::Unsupported => "unsupported",
+            CancelReason::TransferFailed => "transfer-failed",
+            CancelReason::PeerLost => "peer-lost",
+            CancelReason::OwnerLost => "owner-lost",
+            CancelReason::Teardown => "teardown",
+        }
+    }
+}
+
+/// How a source pin or destination reservation ended. Every one ends exactly once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum EndReason {
+    /// Source: all readers acknowledged. Destination: activated into a running request.
+    Success,
+    /// The lease or reservation deadline passed.
+    Expired,
+    /// Canceled for the given reason.
+    Canceled(CancelReason),
+}
+
+impl fmt::Display for EndReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EndReason::Success => write!(f, "success"),
+            EndReason::Expired => write!(f, "expired"),
+            EndReason::Canceled(r) => write!(f, "canceled:{}", r.as_str()),
+        }
+    }
+}
+
+/// Mints ids from the run's one seed. Replay uses one mint per run; live workers seed theirs
+/// from entropy (ids only need to be unique there).
+#[derive(Clone, Debug)]
+pub struct IdMint {
+    rng: ChaCha8Rng,
+}
+
+impl IdMint {
+    pub fn from_seed(seed: u64) -> Self {
+        IdMint { rng: ChaCha8Rng::seed_from_u64(seed) }
+    }
+
+    /// A version-4-shaped UUID whose 122 random bits come from the seeded stream.
+    pub fn handoff_id(&mut self) -> HandoffId {
+        let mut bytes = [0u8; 16];
+        self.rng.fill_bytes(&mut bytes);
+        HandoffId(uuid::Builder::from_random_bytes(bytes).into_uuid())
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.rng.next_u64()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_id_round_trips_through_text() {
+        for w in [
+            WorkerId::prefill(0),
+            WorkerId::decode(12),
+            WorkerId { role: Role::Aggregated, index: 3, dp_rank: 2 },
+            WorkerId::ROUTER,
+        ] {
+            assert_eq!(w.to_string().parse::<WorkerId>().unwrap(), w);
+        }
+        assert!("bogus-1".parse::<WorkerId>().is_err());
+        assert!("prefill-x".parse::<WorkerId>().is_err());
+    }
+
+    #[test]
+    fn seeded_mint_is_reproducible_and_distinct() {
+        let mut a = IdMint::from_seed(7);
+        let mut b = IdMint::from_seed(7);
+        let ids: Vec<_> = (0..100).map(|_| a.handoff_id()).collect();
+        let again: Vec<_> = (0..100).map(|_| b.handoff_id()).collect();
+        assert_eq!(ids, again);
+        let mut sorted = ids.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 100);
+        assert_ne!(IdMint::from_seed(8).handoff_id(), ids[0]);
+    }
+}

@@ -1,0 +1,1 @@
+//! Role-local handoff state machines (source, destination) and the messages between them.

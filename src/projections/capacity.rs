@@ -1,0 +1,103 @@
+//! `KvCapacitySnapshot`: physical KV ownership per worker, folded from its facts.
+
+use crate::events::{Fact, KvDelta};
+use serde::{Deserialize, Serialize};
+
+/// A worker's physical KV at one instant. The five block classes are mutually exclusive and sum
+/// to `total_blocks`; request slots and decode headroom sit beside them, never in the sum.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KvCapacitySnapshot {
+    pub active_blocks: u64,
+    pub pinned_source_blocks: u64,
+    pub reserved_destination_blocks: u64,
+    pub cached_free_blocks: u64,
+    pub free_blocks: u64,
+    pub total_blocks: u64,
+    /// Request slots in use (running sequences, or SGLang's slot pool incl. reservations).
+    pub request_slots_used: u64,
+    /// Decode headroom tokens promised to reservations (admission-only).
+    pub decode_headroom_tokens: u64,
+}
+
+/// A delta would take a class below zero: the facts contradict each other.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("capacity delta {delta:?} applied to {before:?} leaves a class negative or breaks conservation")]
+pub struct CapacityViolation {
+    pub before: KvCapacitySnapshot,
+    pub delta: KvDelta,
+}
+
+impl KvCapacitySnapshot {
+    /// A fresh worker: everything free.
+    pub fn empty(total_blocks: u64) -> Self {
+        KvCapacitySnapshot { free_blocks: total_blocks, total_blocks, ..Default::default() }
+    }
+
+    /// `active + pinned + reserved`: what the proposal calls physical unavailability.
+    pub fn kv_used_blocks(&self) -> u64 {
+        self.active_blocks + self.pinned_source_blocks + self.reserved_destination_blocks
+    }
+
+    /// The conservation law.
+    pub fn is_conserved(&self) -> bool {
+        self.kv_used_blocks() + self.cached_free_blocks + self.free_blocks == self.total_blocks
+    }
+
+    /// Applies one delta; refuses (leaving `self` unchanged) if a class would go negative or the
+    /// delta does not conserve blocks.
+    pub fn apply(&mut self, d: &KvDelta) -> Result<(), CapacityViolation> {
+        fn add(v: u64, d: i32) -> Option<u64> {
+            if d >= 0 {
+                v.checked_add(d as u64)
+            } else {
+                v.checked_sub(d.unsigned_abs() as u64)
+            }
+        }
+        let bad = || CapacityViolation { before: *self, delta: *d };
+        if d.block_sum() != 0 {
+            return Err(bad());
+        }
+        let next = KvCapacitySnapshot {
+            active_blocks: add(self.active_blocks, d.active).ok_or_else(bad)?,
+            pinned_source_blocks: add(self.pinned_source_blocks, d.pinned_source).ok_or_else(bad)?,
+            reserved_destination_blocks: add(self.reserved_destination_blocks, d.reserved_destination)
+                .ok_or_else(bad)?,
+            cached_free_blocks: add(self.cached_free_blocks, d.cached_free).ok_or_else(bad)?,
+            free_blocks: add(self.free_blocks, d.free).ok_or_else(bad)?,
+            total_blocks: self.total_blocks,
+            request_slots_used: add(self.request_slots_used, d.slots).ok_or_else(bad)?,
+            decode_headroom_tokens: add(self.decode_headroom_tokens, d.headroom_tokens)
+                .ok_or_else(bad)?,
+        };
+        *self = next;
+        Ok(())
+    }
+
+    /// Applies the delta a fact carries (facts that move nothing leave the snapshot as it is).
+    pub fn apply_fact(&mut self, fact: &Fact) -> Result<(), CapacityViolation> {
+        let d = fact.kv_delta();
+        if d.is_zero() {
+            return Ok(());
+        }
+        self.apply(&d)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn apply_moves_between_classes_and_refuses_overdraw() {
+        let mut s = KvCapacitySnapshot::empty(10);
+        s.apply(&KvDelta { free: -4, active: 4, slots: 1, ..KvDelta::ZERO }).unwrap();
+        s.apply(&KvDelta { active: -4, pinned_source: 4, slots: -1, ..KvDelta::ZERO }).unwrap();
+        assert_eq!(s.pinned_source_blocks, 4);
+        assert_eq!(s.kv_used_blocks(), 4);
+        assert!(s.is_conserved());
+        let before = s;
+        assert!(s.apply(&KvDelta { active: -1, free: 1, ..KvDelta::ZERO }).is_err());
+        assert!(s.apply(&KvDelta { free: -1, ..KvDelta::ZERO }).is_err(), "not conserved");
+        assert_eq!(s, before);
+    }
+}

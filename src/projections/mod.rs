@@ -1,0 +1,6 @@
+//! Pure folds over records. A projection never reads a clock or a file: it is fed records in
+//! stream (or deterministic merge) order and answers from what it has seen.
+
+pub mod capacity;
+
+pub use capacity::KvCapacitySnapshot;

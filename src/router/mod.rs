@@ -1,0 +1,1 @@
+//! Routers: KV index from Stored/Removed facts, selection modes, bookings.
