@@ -4,3 +4,6 @@
 pub mod capacity;
 
 pub use capacity::KvCapacitySnapshot;
+pub mod scheduler;
+
+pub use scheduler::SchedulerFold;

@@ -1,0 +1,121 @@
+//! The scheduler view, folded from one engine stream: which requests wait, run, wait for remote
+//! KV, are held as pinned prefills, or wait in the reservation FIFO.
+//!
+//! Rules (the contract engine cores emit against):
+//! * `RequestQueued` → waiting; `RequestScheduled` waiting → running; `RequestPreempted`
+//!   running → waiting; `RequestFinished` / `RequestRejected` remove the request wherever it is.
+//! * `SourcePinned` removes the request from running and holds the handoff;
+//!   `SourceReleased` ends the hold.
+//! * `ReservationQueued` adds to the pending FIFO; `ReservationDequeued` removes from it.
+//! * `DestinationReserved` leaves the FIFO (if there) and waits for remote KV;
+//!   `DestinationActivated` turns it into a waiting request (no separate `RequestQueued`);
+//!   `ReservationReleased` ends it.
+//!
+//! Memory grows with requests in flight, not with stream length.
+
+use crate::events::Fact;
+use crate::ids::{HandoffId, RequestId};
+use crate::schedulers::SchedulerView;
+use std::collections::{BTreeMap, BTreeSet};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Waiting,
+    Running,
+}
+
+/// A fact the fold could not place (the stream contradicts itself).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("scheduler view: {0}")]
+pub struct ViewViolation(pub String);
+
+#[derive(Clone, Debug, Default)]
+pub struct SchedulerFold {
+    requests: BTreeMap<RequestId, Phase>,
+    held: BTreeSet<HandoffId>,
+    pending: BTreeSet<HandoffId>,
+    reserved: BTreeMap<HandoffId, RequestId>,
+}
+
+impl SchedulerFold {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn view(&self) -> SchedulerView {
+        let running = self.requests.values().filter(|p| **p == Phase::Running).count() as u64;
+        SchedulerView {
+            waiting: self.requests.len() as u64 - running,
+            running,
+            waiting_for_remote_kv: self.reserved.len() as u64,
+            held_prefills: self.held.len() as u64,
+            pending_reservations: self.pending.len() as u64,
+        }
+    }
+
+    pub fn apply(&mut self, fact: &Fact) -> Result<(), ViewViolation> {
+        let err = |m: String| Err(ViewViolation(m));
+        match fact {
+            Fact::RequestQueued { request } => {
+                if self.requests.insert(*request, Phase::Waiting).is_some() {
+                    return err(format!("{request} queued twice"));
+                }
+            }
+            Fact::RequestScheduled { request, .. } => match self.requests.get_mut(request) {
+                Some(p @ Phase::Waiting) => *p = Phase::Running,
+                other => return err(format!("{request} scheduled while {other:?}")),
+            },
+            Fact::RequestPreempted { request, .. } => match self.requests.get_mut(request) {
+                Some(p @ Phase::Running) => *p = Phase::Waiting,
+                other => return err(format!("{request} preempted while {other:?}")),
+            },
+            Fact::RequestFinished { request, .. } | Fact::RequestRejected { request, .. } => {
+                self.requests.remove(request);
+            }
+            Fact::SourcePinned { handoff, request, .. } => {
+                if self.requests.remove(request) != Some(Phase::Running) {
+                    return err(format!("{request} pinned while not running"));
+                }
+                if !self.held.insert(*handoff) {
+                    return err(format!("handoff {handoff} pinned twice"));
+                }
+            }
+            Fact::SourceReleased { handoff, .. } => {
+                if !self.held.remove(handoff) {
+                    return err(format!("handoff {handoff} released but not held"));
+                }
+            }
+            Fact::ReservationQueued { handoff } => {
+                if !self.pending.insert(*handoff) {
+                    return err(format!("handoff {handoff} queued twice"));
+                }
+            }
+            Fact::ReservationDequeued { handoff, .. } => {
+                if !self.pending.remove(handoff) {
+                    return err(format!("handoff {handoff} dequeued but not pending"));
+                }
+            }
+            Fact::DestinationReserved { handoff, request, .. } => {
+                self.pending.remove(handoff);
+                if self.reserved.insert(*handoff, *request).is_some() {
+                    return err(format!("handoff {handoff} reserved twice"));
+                }
+            }
+            Fact::DestinationActivated { handoff, .. } => match self.reserved.remove(handoff) {
+                Some(request) => {
+                    if self.requests.insert(request, Phase::Waiting).is_some() {
+                        return err(format!("{request} activated while already queued"));
+                    }
+                }
+                None => return err(format!("handoff {handoff} activated but not reserved")),
+            },
+            Fact::ReservationReleased { handoff, .. } => {
+                if self.reserved.remove(handoff).is_none() {
+                    return err(format!("handoff {handoff} reservation released but not held"));
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
