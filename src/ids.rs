@@ -81,11 +81,45 @@ impl Role {
 
 /// A worker and its data-parallel rank (`WorkerWithDpRank` in the proposal). Ordered by role,
 /// then index, then rank: this is the order in which streams are merged at equal timestamps.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+///
+/// Serialized as its text form (`decode-1`) in human-readable formats (JSON output) and as a
+/// compact struct in the binary log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct WorkerId {
     pub role: Role,
     pub index: u32,
     pub dp_rank: u32,
+}
+
+/// The binary shape of [`WorkerId`] (part of the log format).
+#[derive(Serialize, Deserialize)]
+#[serde(rename = "WorkerId")]
+struct WorkerIdWire {
+    role: Role,
+    index: u32,
+    dp_rank: u32,
+}
+
+impl Serialize for WorkerId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            s.collect_str(self)
+        } else {
+            WorkerIdWire { role: self.role, index: self.index, dp_rank: self.dp_rank }.serialize(s)
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for WorkerId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        if d.is_human_readable() {
+            let text = String::deserialize(d)?;
+            text.parse().map_err(serde::de::Error::custom)
+        } else {
+            let w = WorkerIdWire::deserialize(d)?;
+            Ok(WorkerId { role: w.role, index: w.index, dp_rank: w.dp_rank })
+        }
+    }
 }
 
 impl WorkerId {
@@ -293,6 +327,13 @@ mod tests {
             WorkerId::ROUTER,
         ] {
             assert_eq!(w.to_string().parse::<WorkerId>().unwrap(), w);
+            let json = serde_json::to_string(&w).unwrap();
+            assert_eq!(json, format!("\"{w}\""));
+            assert_eq!(serde_json::from_str::<WorkerId>(&json).unwrap(), w);
+            let mut bin = Vec::new();
+            crate::events::codec::encode_into(&w, &mut bin).unwrap();
+            assert_eq!(bin.len(), 3, "role, index and rank as varints");
+            assert_eq!(crate::events::codec::decode_exact::<WorkerId>(&bin).unwrap(), w);
         }
         assert!("bogus-1".parse::<WorkerId>().is_err());
         assert!("prefill-x".parse::<WorkerId>().is_err());

@@ -1,0 +1,260 @@
+//! The handoff ledger: per HandoffId, every transition on both roles, in merge order, plus the
+//! milestones a person asks about (when pinned, reserved, activated, released; how it ended).
+
+use crate::events::{Fact, MessageKind, Record};
+use crate::ids::{CancelReason, EndReason, HandoffId, HandoffPolicy, RequestId, Role, WorkerId};
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// One transition of one handoff as some role recorded it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Transition {
+    pub at_ns: u64,
+    pub worker: WorkerId,
+    /// The fact's variant name (`SourcePinned`, `MessageReceived`, ...).
+    pub fact: &'static str,
+    /// For messages: which kind.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<MessageKind>,
+}
+
+/// How a handoff ended, as far as the log says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HandoffOutcome {
+    /// Destination activated and source released on success.
+    Completed,
+    /// The source lease expired.
+    LeaseExpired,
+    /// The destination reservation expired.
+    ReservationExpired,
+    /// Canceled on some role.
+    Canceled,
+    /// Not finished when the log ends.
+    InFlight,
+}
+
+/// Everything the ledger knows about one handoff.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct HandoffEntry {
+    pub request: Option<RequestId>,
+    pub policy: Option<HandoffPolicy>,
+    pub source: Option<WorkerId>,
+    pub destination: Option<WorkerId>,
+    pub started_at_ns: Option<u64>,
+    pub dispatched_at_ns: Option<u64>,
+    pub pinned_at_ns: Option<u64>,
+    pub pinned_blocks: u32,
+    pub routed_at_ns: Option<u64>,
+    pub reserved_at_ns: Option<u64>,
+    pub reserved_pages: u32,
+    pub prefix_tokens: u32,
+    pub receive_started_at_ns: Option<u64>,
+    pub transfer_bytes: u64,
+    pub receive_completed_at_ns: Option<u64>,
+    pub activated_at_ns: Option<u64>,
+    pub reader_completed_at_ns: Option<u64>,
+    pub source_released_at_ns: Option<u64>,
+    pub source_end: Option<EndReason>,
+    pub reservation_released_at_ns: Option<u64>,
+    pub reservation_end: Option<EndReason>,
+    pub lease_expired: bool,
+    pub reservation_expired: bool,
+    pub canceled: Option<CancelReason>,
+    pub rejected_messages: u32,
+    pub transitions: Vec<Transition>,
+}
+
+impl HandoffEntry {
+    pub fn outcome(&self) -> HandoffOutcome {
+        if self.lease_expired {
+            HandoffOutcome::LeaseExpired
+        } else if self.reservation_expired {
+            HandoffOutcome::ReservationExpired
+        } else if self.canceled.is_some() {
+            HandoffOutcome::Canceled
+        } else if self.activated_at_ns.is_some() && self.source_end == Some(EndReason::Success) {
+            HandoffOutcome::Completed
+        } else {
+            HandoffOutcome::InFlight
+        }
+    }
+
+    /// The ownership milestones in the order they happened, named as the reference names them:
+    /// `SourceHeld`, `DestinationAccepted`, `DestinationReserved`, `DestinationActivated`,
+    /// `SourceReleased`, then `Completed` when both sides ended on success.
+    pub fn normalized(&self) -> Vec<&'static str> {
+        let mut marks: Vec<(u64, u8, &'static str)> = Vec::new();
+        let mut push = |at: Option<u64>, rank: u8, name| {
+            if let Some(at) = at {
+                marks.push((at, rank, name));
+            }
+        };
+        push(self.pinned_at_ns, 0, "SourceHeld");
+        push(self.routed_at_ns, 1, "DestinationAccepted");
+        push(self.reserved_at_ns, 2, "DestinationReserved");
+        push(self.activated_at_ns, 3, "DestinationActivated");
+        push(self.source_released_at_ns, 4, "SourceReleased");
+        // Equal timestamps keep the lifecycle's own order.
+        marks.sort_by_key(|(at, rank, _)| (*at, *rank));
+        let mut out: Vec<&'static str> = marks.into_iter().map(|(_, _, n)| n).collect();
+        if self.outcome() == HandoffOutcome::Completed {
+            out.push("Completed");
+        }
+        out
+    }
+
+    /// How long the source was pinned (to release, or to `end_ns` if still pinned).
+    pub fn pinned_ns(&self, end_ns: u64) -> Option<u64> {
+        let from = self.pinned_at_ns?;
+        Some(self.source_released_at_ns.unwrap_or(end_ns).saturating_sub(from))
+    }
+}
+
+/// The fold. Memory grows with the number of handoffs in the log (it keeps every transition):
+/// it is a post-mortem view, not a streaming one.
+#[derive(Clone, Debug, Default)]
+pub struct HandoffLedger {
+    entries: BTreeMap<HandoffId, HandoffEntry>,
+    last_at_ns: u64,
+}
+
+impl HandoffLedger {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn entries(&self) -> &BTreeMap<HandoffId, HandoffEntry> {
+        &self.entries
+    }
+
+    pub fn get(&self, id: &HandoffId) -> Option<&HandoffEntry> {
+        self.entries.get(id)
+    }
+
+    /// The latest timestamp seen (the log's end, for still-pinned durations).
+    pub fn last_at_ns(&self) -> u64 {
+        self.last_at_ns
+    }
+
+    pub fn apply(&mut self, worker: WorkerId, record: &Record) {
+        self.last_at_ns = self.last_at_ns.max(record.at_ns);
+        let Some(id) = record.fact.handoff() else { return };
+        let at = record.at_ns;
+        let e = self.entries.entry(id).or_default();
+        let message = match &record.fact {
+            Fact::MessageSent { kind, .. }
+            | Fact::MessageReceived { kind, .. }
+            | Fact::MessageRejected { kind, .. } => Some(*kind),
+            _ => None,
+        };
+        e.transitions.push(Transition { at_ns: at, worker, fact: record.fact.name(), message });
+        let first = |slot: &mut Option<u64>| {
+            if slot.is_none() {
+                *slot = Some(at);
+            }
+        };
+        match &record.fact {
+            Fact::HandoffStarted { request, policy, .. } => {
+                e.request = Some(*request);
+                e.policy = Some(*policy);
+                first(&mut e.started_at_ns);
+                match worker.role {
+                    Role::Prefill => e.source = Some(worker),
+                    Role::Decode => e.destination = Some(worker),
+                    _ => {}
+                }
+            }
+            Fact::PrefillDispatched { .. } => {
+                e.source.get_or_insert(worker);
+                first(&mut e.dispatched_at_ns);
+            }
+            Fact::SourcePinned { request, blocks, .. } => {
+                e.request.get_or_insert(*request);
+                e.source = Some(worker);
+                e.pinned_blocks = *blocks;
+                first(&mut e.pinned_at_ns);
+            }
+            Fact::DestinationRouted { worker: dest, .. } => {
+                e.destination = Some(*dest);
+                first(&mut e.routed_at_ns);
+            }
+            Fact::DestinationReserved { request, pages, prefix_tokens, .. } => {
+                e.request.get_or_insert(*request);
+                e.destination = Some(worker);
+                e.reserved_pages = *pages;
+                e.prefix_tokens = *prefix_tokens;
+                first(&mut e.reserved_at_ns);
+            }
+            Fact::ReceiveStarted { bytes, .. } => {
+                e.transfer_bytes = *bytes;
+                first(&mut e.receive_started_at_ns);
+            }
+            Fact::ReceiveCompleted { .. } => first(&mut e.receive_completed_at_ns),
+            Fact::DestinationActivated { .. } => first(&mut e.activated_at_ns),
+            Fact::ReaderCompleted { .. } => first(&mut e.reader_completed_at_ns),
+            Fact::SourceReleased { reason, .. } => {
+                first(&mut e.source_released_at_ns);
+                e.source_end.get_or_insert(*reason);
+            }
+            Fact::ReservationReleased { reason, .. } => {
+                first(&mut e.reservation_released_at_ns);
+                e.reservation_end.get_or_insert(*reason);
+            }
+            Fact::LeaseExpired { .. } => e.lease_expired = true,
+            Fact::ReservationExpired { .. } => e.reservation_expired = true,
+            Fact::HandoffCanceled { reason, .. } => {
+                e.canceled.get_or_insert(*reason);
+            }
+            Fact::MessageRejected { .. } => e.rejected_messages += 1,
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::KvDelta;
+    use crate::ids::{DestinationReservationId, SourceLeaseId};
+
+    fn rec(at_ns: u64, fact: Fact) -> Record {
+        Record { seq: 0, at_ns, fact }
+    }
+
+    #[test]
+    fn source_first_normalizes_in_reference_order() {
+        let id = HandoffId(uuid::Uuid::from_u128(1));
+        let mut l = HandoffLedger::new();
+        let p = WorkerId::prefill(0);
+        let d = WorkerId::decode(1);
+        let z = KvDelta::ZERO;
+        l.apply(p, &rec(1, Fact::SourcePinned { handoff: id, request: RequestId(3), lease: SourceLeaseId(1), blocks: 4, deadline_ns: 9, kv: z }));
+        l.apply(WorkerId::ROUTER, &rec(2, Fact::DestinationRouted { handoff: id, worker: d }));
+        l.apply(d, &rec(3, Fact::DestinationReserved { handoff: id, request: RequestId(3), reservation: DestinationReservationId(1), pages: 4, prefix_blocks: 0, prefix_tokens: 0, deadline_ns: 99, kv: z }));
+        assert_eq!(l.get(&id).unwrap().outcome(), HandoffOutcome::InFlight);
+        l.apply(d, &rec(5, Fact::DestinationActivated { handoff: id, reservation: DestinationReservationId(1), kv: z }));
+        l.apply(p, &rec(5, Fact::SourceReleased { handoff: id, lease: SourceLeaseId(1), reason: EndReason::Success, kv: z }));
+        let e = l.get(&id).unwrap();
+        assert_eq!(e.outcome(), HandoffOutcome::Completed);
+        assert_eq!(
+            e.normalized(),
+            ["SourceHeld", "DestinationAccepted", "DestinationReserved", "DestinationActivated", "SourceReleased", "Completed"]
+        );
+        assert_eq!(e.pinned_ns(100), Some(4));
+        assert_eq!((e.source, e.destination), (Some(p), Some(d)));
+    }
+
+    #[test]
+    fn expiry_is_not_completion() {
+        let id = HandoffId(uuid::Uuid::from_u128(2));
+        let mut l = HandoffLedger::new();
+        let p = WorkerId::prefill(0);
+        l.apply(p, &rec(1, Fact::SourcePinned { handoff: id, request: RequestId(1), lease: SourceLeaseId(1), blocks: 4, deadline_ns: 9, kv: KvDelta::ZERO }));
+        l.apply(p, &rec(9, Fact::LeaseExpired { handoff: id, lease: SourceLeaseId(1) }));
+        l.apply(p, &rec(9, Fact::SourceReleased { handoff: id, lease: SourceLeaseId(1), reason: EndReason::Expired, kv: KvDelta::ZERO }));
+        let e = l.get(&id).unwrap();
+        assert_eq!(e.outcome(), HandoffOutcome::LeaseExpired);
+        assert_eq!(e.normalized(), ["SourceHeld", "SourceReleased"]);
+    }
+}
