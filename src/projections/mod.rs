@@ -7,3 +7,5 @@ pub use capacity::KvCapacitySnapshot;
 pub mod scheduler;
 
 pub use scheduler::SchedulerFold;
+pub mod handoffs;
+pub use handoffs::HandoffLedger;
