@@ -26,7 +26,10 @@ pub fn decode_exact<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
     let (value, used) =
         bincode::serde::decode_from_slice(bytes, config()).map_err(|e| e.to_string())?;
     if used != bytes.len() {
-        return Err(format!("{} trailing bytes after the value", bytes.len() - used));
+        return Err(format!(
+            "{} trailing bytes after the value",
+            bytes.len() - used
+        ));
     }
     Ok(value)
 }

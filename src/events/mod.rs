@@ -43,7 +43,12 @@ pub struct EngineShape {
 impl EngineShape {
     /// The router stream has no engine.
     pub fn none() -> Self {
-        EngineShape { total_blocks: 0, block_size: 0, max_request_slots: 0, config_json: String::new() }
+        EngineShape {
+            total_blocks: 0,
+            block_size: 0,
+            max_request_slots: 0,
+            config_json: String::new(),
+        }
     }
 }
 

@@ -107,7 +107,11 @@ impl HandoffEntry {
     /// How long the source was pinned (to release, or to `end_ns` if still pinned).
     pub fn pinned_ns(&self, end_ns: u64) -> Option<u64> {
         let from = self.pinned_at_ns?;
-        Some(self.source_released_at_ns.unwrap_or(end_ns).saturating_sub(from))
+        Some(
+            self.source_released_at_ns
+                .unwrap_or(end_ns)
+                .saturating_sub(from),
+        )
     }
 }
 
@@ -139,7 +143,9 @@ impl HandoffLedger {
 
     pub fn apply(&mut self, worker: WorkerId, record: &Record) {
         self.last_at_ns = self.last_at_ns.max(record.at_ns);
-        let Some(id) = record.fact.handoff() else { return };
+        let Some(id) = record.fact.handoff() else {
+            return;
+        };
         let at = record.at_ns;
         let e = self.entries.entry(id).or_default();
         let message = match &record.fact {
@@ -148,14 +154,21 @@ impl HandoffLedger {
             | Fact::MessageRejected { kind, .. } => Some(*kind),
             _ => None,
         };
-        e.transitions.push(Transition { at_ns: at, worker, fact: record.fact.name(), message });
+        e.transitions.push(Transition {
+            at_ns: at,
+            worker,
+            fact: record.fact.name(),
+            message,
+        });
         let first = |slot: &mut Option<u64>| {
             if slot.is_none() {
                 *slot = Some(at);
             }
         };
         match &record.fact {
-            Fact::HandoffStarted { request, policy, .. } => {
+            Fact::HandoffStarted {
+                request, policy, ..
+            } => {
                 e.request = Some(*request);
                 e.policy = Some(*policy);
                 first(&mut e.started_at_ns);
@@ -169,7 +182,9 @@ impl HandoffLedger {
                 e.source.get_or_insert(worker);
                 first(&mut e.dispatched_at_ns);
             }
-            Fact::SourcePinned { request, blocks, .. } => {
+            Fact::SourcePinned {
+                request, blocks, ..
+            } => {
                 e.request.get_or_insert(*request);
                 e.source = Some(worker);
                 e.pinned_blocks = *blocks;
@@ -179,7 +194,12 @@ impl HandoffLedger {
                 e.destination = Some(*dest);
                 first(&mut e.routed_at_ns);
             }
-            Fact::DestinationReserved { request, pages, prefix_tokens, .. } => {
+            Fact::DestinationReserved {
+                request,
+                pages,
+                prefix_tokens,
+                ..
+            } => {
                 e.request.get_or_insert(*request);
                 e.destination = Some(worker);
                 e.reserved_pages = *pages;
@@ -219,7 +239,11 @@ mod tests {
     use crate::ids::{DestinationReservationId, SourceLeaseId};
 
     fn rec(at_ns: u64, fact: Fact) -> Record {
-        Record { seq: 0, at_ns, fact }
+        Record {
+            seq: 0,
+            at_ns,
+            fact,
+        }
     }
 
     #[test]
@@ -229,17 +253,82 @@ mod tests {
         let p = WorkerId::prefill(0);
         let d = WorkerId::decode(1);
         let z = KvDelta::ZERO;
-        l.apply(p, &rec(1, Fact::SourcePinned { handoff: id, request: RequestId(3), lease: SourceLeaseId(1), blocks: 4, deadline_ns: 9, kv: z }));
-        l.apply(WorkerId::ROUTER, &rec(2, Fact::DestinationRouted { handoff: id, worker: d }));
-        l.apply(d, &rec(3, Fact::DestinationReserved { handoff: id, request: RequestId(3), reservation: DestinationReservationId(1), pages: 4, prefix_blocks: 0, prefix_tokens: 0, deadline_ns: 99, kv: z }));
+        l.apply(
+            p,
+            &rec(
+                1,
+                Fact::SourcePinned {
+                    handoff: id,
+                    request: RequestId(3),
+                    lease: SourceLeaseId(1),
+                    blocks: 4,
+                    deadline_ns: 9,
+                    kv: z,
+                },
+            ),
+        );
+        l.apply(
+            WorkerId::ROUTER,
+            &rec(
+                2,
+                Fact::DestinationRouted {
+                    handoff: id,
+                    worker: d,
+                },
+            ),
+        );
+        l.apply(
+            d,
+            &rec(
+                3,
+                Fact::DestinationReserved {
+                    handoff: id,
+                    request: RequestId(3),
+                    reservation: DestinationReservationId(1),
+                    pages: 4,
+                    prefix_blocks: 0,
+                    prefix_tokens: 0,
+                    deadline_ns: 99,
+                    kv: z,
+                },
+            ),
+        );
         assert_eq!(l.get(&id).unwrap().outcome(), HandoffOutcome::InFlight);
-        l.apply(d, &rec(5, Fact::DestinationActivated { handoff: id, reservation: DestinationReservationId(1), kv: z }));
-        l.apply(p, &rec(5, Fact::SourceReleased { handoff: id, lease: SourceLeaseId(1), reason: EndReason::Success, kv: z }));
+        l.apply(
+            d,
+            &rec(
+                5,
+                Fact::DestinationActivated {
+                    handoff: id,
+                    reservation: DestinationReservationId(1),
+                    kv: z,
+                },
+            ),
+        );
+        l.apply(
+            p,
+            &rec(
+                5,
+                Fact::SourceReleased {
+                    handoff: id,
+                    lease: SourceLeaseId(1),
+                    reason: EndReason::Success,
+                    kv: z,
+                },
+            ),
+        );
         let e = l.get(&id).unwrap();
         assert_eq!(e.outcome(), HandoffOutcome::Completed);
         assert_eq!(
             e.normalized(),
-            ["SourceHeld", "DestinationAccepted", "DestinationReserved", "DestinationActivated", "SourceReleased", "Completed"]
+            [
+                "SourceHeld",
+                "DestinationAccepted",
+                "DestinationReserved",
+                "DestinationActivated",
+                "SourceReleased",
+                "Completed"
+            ]
         );
         assert_eq!(e.pinned_ns(100), Some(4));
         assert_eq!((e.source, e.destination), (Some(p), Some(d)));
@@ -250,9 +339,42 @@ mod tests {
         let id = HandoffId(uuid::Uuid::from_u128(2));
         let mut l = HandoffLedger::new();
         let p = WorkerId::prefill(0);
-        l.apply(p, &rec(1, Fact::SourcePinned { handoff: id, request: RequestId(1), lease: SourceLeaseId(1), blocks: 4, deadline_ns: 9, kv: KvDelta::ZERO }));
-        l.apply(p, &rec(9, Fact::LeaseExpired { handoff: id, lease: SourceLeaseId(1) }));
-        l.apply(p, &rec(9, Fact::SourceReleased { handoff: id, lease: SourceLeaseId(1), reason: EndReason::Expired, kv: KvDelta::ZERO }));
+        l.apply(
+            p,
+            &rec(
+                1,
+                Fact::SourcePinned {
+                    handoff: id,
+                    request: RequestId(1),
+                    lease: SourceLeaseId(1),
+                    blocks: 4,
+                    deadline_ns: 9,
+                    kv: KvDelta::ZERO,
+                },
+            ),
+        );
+        l.apply(
+            p,
+            &rec(
+                9,
+                Fact::LeaseExpired {
+                    handoff: id,
+                    lease: SourceLeaseId(1),
+                },
+            ),
+        );
+        l.apply(
+            p,
+            &rec(
+                9,
+                Fact::SourceReleased {
+                    handoff: id,
+                    lease: SourceLeaseId(1),
+                    reason: EndReason::Expired,
+                    kv: KvDelta::ZERO,
+                },
+            ),
+        );
         let e = l.get(&id).unwrap();
         assert_eq!(e.outcome(), HandoffOutcome::LeaseExpired);
         assert_eq!(e.normalized(), ["SourceHeld", "SourceReleased"]);

@@ -9,3 +9,7 @@ pub mod scheduler;
 pub use scheduler::SchedulerFold;
 pub mod handoffs;
 pub use handoffs::HandoffLedger;
+pub mod distribution;
+pub mod metrics;
+
+pub use metrics::{MetricsFold, MetricsReport, PerRequest};

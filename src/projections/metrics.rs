@@ -1,0 +1,546 @@
+//! Serving metrics and stranding figures, folded from a run's streams.
+//!
+//! The replay feeds this fold the records it writes, as it writes them; `handoff-log project
+//! RUN metrics` feeds it the same records read back in merge order. The fold only relies on
+//! order *within* a stream and on the router's terminal fact coming after the engine facts of
+//! the same instant (true in both orders), so both give the same report.
+//!
+//! Where figures come from:
+//! * arrival and terminal outcome: the router stream (`RequestArrived`, `RequestFinished`);
+//! * TTFT: the first `FirstTokenEmitted` on a decode or aggregated stream (a prefill worker's
+//!   own token is not the user's first token: decode produces it after activation);
+//! * ITL: every decode step's duration, weighted by the tokens it produced for requests past
+//!   their first token (a request's consecutive tokens are one step apart while it runs);
+//! * TPOT: per request `(terminal − first token) / (output − 1)`;
+//! * prefix reuse: `cached_tokens` of each request's first scheduling on a prefill or
+//!   aggregated stream;
+//! * stranding: pinned-block integral per prefill worker, pin durations, and the waits from
+//!   prefill done to destination reserved and from reservation queued to reserved.
+//!
+//! Memory grows with requests in flight: finished requests leave the fold (optionally through a
+//! per-request sink) and distributions have bounded buckets.
+
+use crate::events::{Fact, Record, StreamHeader, TerminalStatus};
+use crate::ids::{HandoffId, RequestId, Role, WorkerId};
+use crate::projections::distribution::{Distribution, Stats};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+
+/// One request's figures, written as a JSON line by `--per-request`. Key names follow the
+/// reference mocker's per-request report so existing scripts keep working.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct PerRequest {
+    pub uuid: String,
+    pub request_id: u64,
+    pub arrival_time_ms: f64,
+    pub first_token_ms: Option<f64>,
+    pub terminal_time_ms: Option<f64>,
+    pub ttft_ms: Option<f64>,
+    pub tpot_ms: Option<f64>,
+    pub e2e_latency_ms: Option<f64>,
+    pub input_length: u32,
+    pub requested_output_length: u32,
+    pub output_length: u32,
+    pub reused_input_tokens: u32,
+    pub prefill_worker_idx: Option<u32>,
+    pub decode_worker_idx: Option<u32>,
+    pub handoff_id: Option<String>,
+    pub prefill_admit_ms: Option<f64>,
+    pub source_held_ms: Option<f64>,
+    pub destination_reserved_ms: Option<f64>,
+    pub destination_activated_ms: Option<f64>,
+    pub source_released_ms: Option<f64>,
+    pub terminal_status: Option<&'static str>,
+}
+
+#[derive(Clone, Debug, Default)]
+struct InFlight {
+    arrival_ns: u64,
+    input: u32,
+    requested_output: u32,
+    first_token_ns: Option<u64>,
+    reused_tokens: Option<u32>,
+    prefill_worker: Option<u32>,
+    decode_worker: Option<u32>,
+    handoff: Option<HandoffId>,
+    prefill_admit_ns: Option<u64>,
+    source_held_ns: Option<u64>,
+    reserved_ns: Option<u64>,
+    activated_ns: Option<u64>,
+    released_ns: Option<u64>,
+}
+
+#[derive(Clone, Debug, Default)]
+struct StreamState {
+    role: Option<Role>,
+    /// Pinned blocks now and since when (for the block-seconds integral).
+    pinned_blocks: u64,
+    pinned_since_ns: u64,
+    pinned_block_ns: u128,
+    /// A decode step whose ITL weight waits for the first tokens of the same instant.
+    pending_step: Option<(u64, u64, u64)>, // (at_ns, duration_ns, decode_tokens)
+    first_tokens_at: (u64, u64), // (at_ns, count)
+}
+
+/// The fold.
+#[derive(Default)]
+pub struct MetricsFold {
+    run_seed: u64,
+    streams: BTreeMap<WorkerId, StreamState>,
+    in_flight: BTreeMap<RequestId, InFlight>,
+    handoff_request: BTreeMap<HandoffId, RequestId>,
+    pin_started: BTreeMap<HandoffId, u64>,
+    queued_at: BTreeMap<HandoffId, u64>,
+    first_arrival_ns: Option<u64>,
+    last_terminal_ns: u64,
+    num_requests: u64,
+    by_status: BTreeMap<&'static str, u64>,
+    total_input_tokens: u64,
+    total_output_tokens: u64,
+    completed_input_tokens: u64,
+    reused_tokens: u64,
+    scheduled_input_tokens: u64,
+    ttft: Distribution,
+    tpot: Distribution,
+    itl: Distribution,
+    e2e: Distribution,
+    per_user_tok_s_milli: Distribution,
+    pin: Distribution,
+    pinned_to_reserved: Distribution,
+    reservation_wait: Distribution,
+    handoffs_started: u64,
+    leases_expired: u64,
+    reservations_expired: u64,
+    handoffs_canceled: u64,
+    sink: Option<Box<dyn FnMut(&PerRequest)>>,
+}
+
+/// The report, with the reference's key names. `to_json` flattens the statistics as
+/// `mean_ttft_ms`, `median_ttft_ms`, `p99_ttft_ms`, ...
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct MetricsReport {
+    pub num_requests: u64,
+    pub completed_requests: u64,
+    pub rejected_requests: u64,
+    pub failed_requests: u64,
+    pub canceled_requests: u64,
+    pub total_input_tokens: u64,
+    pub total_output_tokens: u64,
+    pub duration_ms: f64,
+    pub request_throughput_rps: f64,
+    pub input_throughput_tok_s: f64,
+    pub output_throughput_tok_s: f64,
+    pub total_throughput_tok_s: f64,
+    pub prefix_cache_reused_ratio: f64,
+    pub ttft_ms: Stats,
+    pub tpot_ms: Stats,
+    pub itl_ms: Stats,
+    pub e2e_latency_ms: Stats,
+    pub output_token_throughput_per_user: Stats,
+    pub handoffs_started: u64,
+    pub leases_expired: u64,
+    pub reservations_expired: u64,
+    pub handoffs_canceled: u64,
+    /// Pinned source block-seconds per prefill worker.
+    pub pinned_block_seconds: BTreeMap<String, f64>,
+    pub source_pin_ms: Stats,
+    pub prefill_done_to_reserved_ms: Stats,
+    pub reservation_wait_ms: Stats,
+}
+
+impl MetricsReport {
+    /// The flat JSON object of the reference's summary plus our stranding figures.
+    pub fn to_json(&self) -> Value {
+        let mut m = Map::new();
+        let mut put = |k: &str, v: Value| {
+            m.insert(k.to_string(), v);
+        };
+        put("num_requests", self.num_requests.into());
+        put("completed_requests", self.completed_requests.into());
+        put("rejected_requests", self.rejected_requests.into());
+        put("failed_requests", self.failed_requests.into());
+        put("canceled_requests", self.canceled_requests.into());
+        put("total_input_tokens", self.total_input_tokens.into());
+        put("total_output_tokens", self.total_output_tokens.into());
+        put("duration_ms", self.duration_ms.into());
+        put("request_throughput_rps", self.request_throughput_rps.into());
+        put("input_throughput_tok_s", self.input_throughput_tok_s.into());
+        put(
+            "output_throughput_tok_s",
+            self.output_throughput_tok_s.into(),
+        );
+        put("total_throughput_tok_s", self.total_throughput_tok_s.into());
+        put(
+            "prefix_cache_reused_ratio",
+            self.prefix_cache_reused_ratio.into(),
+        );
+        put("num_ttft_samples", self.ttft_ms.count.into());
+        put("num_tpot_samples", self.tpot_ms.count.into());
+        put("num_e2e_latency_samples", self.e2e_latency_ms.count.into());
+        put("handoffs_started", self.handoffs_started.into());
+        put("leases_expired", self.leases_expired.into());
+        put("reservations_expired", self.reservations_expired.into());
+        put("handoffs_canceled", self.handoffs_canceled.into());
+        put(
+            "pinned_block_seconds",
+            serde_json::to_value(&self.pinned_block_seconds).unwrap_or(Value::Null),
+        );
+        for (name, unit, s) in [
+            ("ttft", "_ms", &self.ttft_ms),
+            ("tpot", "_ms", &self.tpot_ms),
+            ("itl", "_ms", &self.itl_ms),
+            ("e2e_latency", "_ms", &self.e2e_latency_ms),
+            (
+                "output_token_throughput_per_user",
+                "",
+                &self.output_token_throughput_per_user,
+            ),
+            ("source_pin", "_ms", &self.source_pin_ms),
+            (
+                "prefill_done_to_reserved",
+                "_ms",
+                &self.prefill_done_to_reserved_ms,
+            ),
+            ("reservation_wait", "_ms", &self.reservation_wait_ms),
+        ] {
+            for (stat, v) in [
+                ("mean", s.mean),
+                ("min", s.min),
+                ("max", s.max),
+                ("median", s.p50),
+                ("p75", s.p75),
+                ("p90", s.p90),
+                ("p95", s.p95),
+                ("p99", s.p99),
+                ("std", s.std),
+            ] {
+                put(&format!("{stat}_{name}{unit}"), v.into());
+            }
+        }
+        Value::Object(m)
+    }
+}
+
+const NS_PER_MS: f64 = 1e6;
+
+fn ms(ns: u64) -> f64 {
+    ns as f64 / NS_PER_MS
+}
+
+/// A stable per-request UUID derived from the run's seed and the request index.
+pub fn request_uuid(seed: u64, request: RequestId) -> uuid::Uuid {
+    let hi = crate::schedulers::request::mix(seed ^ 0x5eed_0f_4e9_0e57, request.0);
+    let lo = crate::schedulers::request::mix(hi, request.0 ^ 0x0123_4567_89ab_cdef);
+    uuid::Builder::from_random_bytes(((hi as u128) << 64 | lo as u128).to_be_bytes()).into_uuid()
+}
+
+impl MetricsFold {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Calls `sink` with each request's figures when it ends (for `--per-request`).
+    pub fn with_sink(mut self, sink: Box<dyn FnMut(&PerRequest)>) -> Self {
+        self.sink = Some(sink);
+        self
+    }
+
+    /// Registers a stream before its records arrive.
+    pub fn add_stream(&mut self, header: &StreamHeader) {
+        self.run_seed = header.seed;
+        self.streams.entry(header.worker).or_default().role = Some(header.worker.role);
+    }
+
+    pub fn apply(&mut self, worker: WorkerId, rec: &Record) {
+        let at = rec.at_ns;
+        let st = self.streams.entry(worker).or_default();
+        let role = worker.role;
+        // Flush a pending decode step once time moves on in its stream.
+        if let Some((step_at, dur, toks)) = st.pending_step {
+            if at > step_at {
+                let firsts = if st.first_tokens_at.0 == step_at {
+                    st.first_tokens_at.1
+                } else {
+                    0
+                };
+                self.itl.add_weighted(dur, toks.saturating_sub(firsts));
+                st.pending_step = None;
+            }
+        }
+        // Pinned-block integral on prefill streams.
+        let kv = rec.fact.kv_delta();
+        if kv.pinned_source != 0 {
+            st.pinned_block_ns +=
+                st.pinned_blocks as u128 * (at.saturating_sub(st.pinned_since_ns)) as u128;
+            st.pinned_blocks = (st.pinned_blocks as i64 + kv.pinned_source as i64).max(0) as u64;
+            st.pinned_since_ns = at;
+        }
+        match &rec.fact {
+            Fact::RequestArrived {
+                request,
+                input_tokens,
+                output_tokens,
+            } if role == Role::Router => {
+                self.num_requests += 1;
+                self.total_input_tokens += *input_tokens as u64;
+                self.first_arrival_ns = Some(self.first_arrival_ns.map_or(at, |f| f.min(at)));
+                self.in_flight.insert(
+                    *request,
+                    InFlight {
+                        arrival_ns: at,
+                        input: *input_tokens,
+                        requested_output: *output_tokens,
+                        ..Default::default()
+                    },
+                );
+            }
+            Fact::PrefillBooked {
+                request, worker: w, ..
+            } => {
+                if let Some(r) = self.in_flight.get_mut(request) {
+                    r.prefill_worker = Some(w.index);
+                }
+            }
+            Fact::DecodeBooked {
+                request, worker: w, ..
+            } => {
+                if let Some(r) = self.in_flight.get_mut(request) {
+                    r.decode_worker = Some(w.index);
+                }
+            }
+            Fact::RequestScheduled {
+                request,
+                cached_tokens,
+                ..
+            } if matches!(role, Role::Prefill | Role::Aggregated) => {
+                if let Some(r) = self.in_flight.get_mut(request) {
+                    if r.reused_tokens.is_none() {
+                        r.reused_tokens = Some(*cached_tokens);
+                        r.prefill_admit_ns = Some(at);
+                        self.reused_tokens += *cached_tokens as u64;
+                        self.scheduled_input_tokens += r.input as u64;
+                    }
+                }
+            }
+            Fact::FirstTokenEmitted { request }
+                if matches!(role, Role::Decode | Role::Aggregated) =>
+            {
+                let st = self.streams.entry(worker).or_default();
+                if st.first_tokens_at.0 == at {
+                    st.first_tokens_at.1 += 1;
+                } else {
+                    st.first_tokens_at = (at, 1);
+                }
+                if let Some(r) = self.in_flight.get_mut(request) {
+                    r.first_token_ns.get_or_insert(at);
+                }
+            }
+            Fact::StepExecuted {
+                decode_tokens,
+                duration_ns,
+                ..
+            } if matches!(role, Role::Decode | Role::Aggregated) && *decode_tokens > 0 => {
+                let st = self.streams.entry(worker).or_default();
+                st.pending_step = Some((at, *duration_ns, *decode_tokens as u64));
+            }
+            Fact::HandoffStarted {
+                handoff, request, ..
+            } => {
+                if self.handoff_request.insert(*handoff, *request).is_none() {
+                    self.handoffs_started += 1;
+                }
+                if let Some(r) = self.in_flight.get_mut(request) {
+                    r.handoff = Some(*handoff);
+                }
+            }
+            Fact::SourcePinned {
+                handoff, request, ..
+            } => {
+                self.pin_started.insert(*handoff, at);
+                if let Some(r) = self.in_flight.get_mut(request) {
+                    r.source_held_ns.get_or_insert(at);
+                }
+            }
+            Fact::ReservationQueued { handoff } => {
+                self.queued_at.entry(*handoff).or_insert(at);
+            }
+            Fact::DestinationReserved {
+                handoff, request, ..
+            } => {
+                if let Some(q) = self.queued_at.remove(handoff) {
+                    self.reservation_wait.add(at.saturating_sub(q));
+                }
+                if let Some(p) = self.pin_started.get(handoff) {
+                    self.pinned_to_reserved.add(at.saturating_sub(*p));
+                }
+                if let Some(r) = self.in_flight.get_mut(request) {
+                    r.reserved_ns.get_or_insert(at);
+                }
+            }
+            Fact::ReservationDequeued { handoff, .. } => {
+                self.queued_at.remove(handoff);
+            }
+            Fact::DestinationActivated { handoff, .. } => {
+                if let Some(r) = self
+                    .handoff_request
+                    .get(handoff)
+                    .and_then(|q| self.in_flight.get_mut(q))
+                {
+                    r.activated_ns.get_or_insert(at);
+                }
+            }
+            Fact::SourceReleased { handoff, .. } => {
+                if let Some(p) = self.pin_started.remove(handoff) {
+                    self.pin.add(at.saturating_sub(p));
+                }
+                if let Some(r) = self
+                    .handoff_request
+                    .get(handoff)
+                    .and_then(|q| self.in_flight.get_mut(q))
+                {
+                    r.released_ns.get_or_insert(at);
+                }
+            }
+            Fact::LeaseExpired { .. } => self.leases_expired += 1,
+            Fact::ReservationExpired { .. } => self.reservations_expired += 1,
+            Fact::HandoffCanceled { .. } => self.handoffs_canceled += 1,
+            Fact::RequestFinished {
+                request,
+                status,
+                output_tokens,
+                ..
+            } if role == Role::Router => {
+                self.finish(*request, *status, *output_tokens, at);
+            }
+            _ => {}
+        }
+    }
+
+    fn finish(&mut self, request: RequestId, status: TerminalStatus, output_tokens: u32, at: u64) {
+        let Some(r) = self.in_flight.remove(&request) else {
+            return;
+        };
+        if let Some(h) = r.handoff {
+            // The handoff's figures are complete once its request ends; later source releases
+            // (rare: a lease outliving a failed request) still count in the pin statistics.
+            if r.released_ns.is_some() {
+                self.handoff_request.remove(&h);
+            }
+            self.queued_at.remove(&h);
+        }
+        *self.by_status.entry(status.as_str()).or_insert(0) += 1;
+        self.last_terminal_ns = self.last_terminal_ns.max(at);
+        let mut out = PerRequest {
+            uuid: request_uuid(self.run_seed, request).to_string(),
+            request_id: request.0,
+            arrival_time_ms: ms(r.arrival_ns),
+            first_token_ms: r.first_token_ns.map(ms),
+            terminal_time_ms: Some(ms(at)),
+            input_length: r.input,
+            requested_output_length: r.requested_output,
+            output_length: output_tokens,
+            reused_input_tokens: r.reused_tokens.unwrap_or(0),
+            prefill_worker_idx: r.prefill_worker,
+            decode_worker_idx: r.decode_worker,
+            handoff_id: r.handoff.map(|h| h.to_string()),
+            prefill_admit_ms: r.prefill_admit_ns.map(ms),
+            source_held_ms: r.source_held_ns.map(ms),
+            destination_reserved_ms: r.reserved_ns.map(ms),
+            destination_activated_ms: r.activated_ns.map(ms),
+            source_released_ms: r.released_ns.map(ms),
+            terminal_status: Some(status.as_str()),
+            ..Default::default()
+        };
+        if status == TerminalStatus::Completed {
+            self.total_output_tokens += output_tokens as u64;
+            self.completed_input_tokens += r.input as u64;
+            let e2e = at.saturating_sub(r.arrival_ns);
+            self.e2e.add(e2e);
+            out.e2e_latency_ms = Some(ms(e2e));
+            if let Some(ft) = r.first_token_ns {
+                let ttft = ft.saturating_sub(r.arrival_ns);
+                self.ttft.add(ttft);
+                out.ttft_ms = Some(ms(ttft));
+                if output_tokens > 1 {
+                    let tpot = at.saturating_sub(ft) / (output_tokens as u64 - 1);
+                    self.tpot.add(tpot);
+                    out.tpot_ms = Some(ms(tpot));
+                    if tpot > 0 {
+                        // tokens/s per user, kept in milli-tokens/s for integer buckets.
+                        self.per_user_tok_s_milli.add((1e12 / tpot as f64) as u64);
+                    }
+                }
+            }
+        }
+        if let Some(sink) = self.sink.as_mut() {
+            sink(&out);
+        }
+    }
+
+    /// Requests that arrived and have not ended.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// The report as of the records seen so far.
+    pub fn report(&mut self) -> MetricsReport {
+        // Flush pending decode steps: nothing later can change their weight.
+        for st in self.streams.values_mut() {
+            if let Some((step_at, dur, toks)) = st.pending_step.take() {
+                let firsts = if st.first_tokens_at.0 == step_at {
+                    st.first_tokens_at.1
+                } else {
+                    0
+                };
+                self.itl.add_weighted(dur, toks.saturating_sub(firsts));
+            }
+        }
+        let end = self.last_terminal_ns;
+        let duration_ns = end.saturating_sub(self.first_arrival_ns.unwrap_or(0));
+        let secs = duration_ns as f64 / 1e9;
+        let per_s = |v: u64| if secs > 0.0 { v as f64 / secs } else { 0.0 };
+        let completed = *self.by_status.get("completed").unwrap_or(&0);
+        let mut pinned_block_seconds = BTreeMap::new();
+        for (w, st) in &self.streams {
+            if st.role == Some(Role::Prefill) || w.role == Role::Prefill {
+                let open =
+                    st.pinned_blocks as u128 * end.saturating_sub(st.pinned_since_ns) as u128;
+                pinned_block_seconds
+                    .insert(w.to_string(), (st.pinned_block_ns + open) as f64 / 1e9);
+            }
+        }
+        MetricsReport {
+            num_requests: self.num_requests,
+            completed_requests: completed,
+            rejected_requests: *self.by_status.get("rejected").unwrap_or(&0),
+            failed_requests: *self.by_status.get("failed").unwrap_or(&0),
+            canceled_requests: *self.by_status.get("canceled").unwrap_or(&0),
+            total_input_tokens: self.total_input_tokens,
+            total_output_tokens: self.total_output_tokens,
+            duration_ms: ms(duration_ns),
+            request_throughput_rps: per_s(completed),
+            input_throughput_tok_s: per_s(self.completed_input_tokens),
+            output_throughput_tok_s: per_s(self.total_output_tokens),
+            total_throughput_tok_s: per_s(self.completed_input_tokens + self.total_output_tokens),
+            prefix_cache_reused_ratio: if self.scheduled_input_tokens > 0 {
+                self.reused_tokens as f64 / self.scheduled_input_tokens as f64
+            } else {
+                0.0
+            },
+            ttft_ms: self.ttft.stats(NS_PER_MS),
+            tpot_ms: self.tpot.stats(NS_PER_MS),
+            itl_ms: self.itl.stats(NS_PER_MS),
+            e2e_latency_ms: self.e2e.stats(NS_PER_MS),
+            output_token_throughput_per_user: self.per_user_tok_s_milli.stats(1e3),
+            handoffs_started: self.handoffs_started,
+            leases_expired: self.leases_expired,
+            reservations_expired: self.reservations_expired,
+            handoffs_canceled: self.handoffs_canceled,
+            pinned_block_seconds,
+            source_pin_ms: self.pin.stats(NS_PER_MS),
+            prefill_done_to_reserved_ms: self.pinned_to_reserved.stats(NS_PER_MS),
+            reservation_wait_ms: self.reservation_wait.stats(NS_PER_MS),
+        }
+    }
+}
