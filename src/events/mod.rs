@@ -12,11 +12,24 @@
 //! the last record may be cut on open; any other damage is an error naming the byte offset.
 
 pub mod codec;
+pub mod error;
 pub mod fact;
+mod frame;
+pub mod reader;
+pub mod run;
+pub mod writer;
 
+pub use error::LogError;
 pub use fact::{
     BlockHash, Fact, KvDelta, MessageKind, MessageRejection, RejectReason, TerminalStatus,
 };
+pub use frame::{TornTail, MAX_HEADER_BYTES, MAX_RECORD_BYTES};
+pub use reader::{recover, verify_stream, StreamReader, StreamSummary};
+pub use run::{
+    recover_run, stream_file_name, verify_run, write_merged, MergeSummary, RunKind, RunReader,
+    RunStreamSummary, RunSummary, RunWriter, RUN_FORMAT_VERSION, RUN_MAGIC,
+};
+pub use writer::StreamWriter;
 
 use crate::ids::{Backend, ClockDomain, HandoffPolicy, WorkerId};
 use serde::{Deserialize, Serialize};

@@ -1,0 +1,629 @@
+//! Runs: the streams of all workers of one run, read as one deterministic sequence.
+//!
+//! A run is stored in one of two layouts, and every reader accepts both (plus a lone stream file,
+//! read as a run of one stream):
+//!
+//! - **a directory** of per-worker stream files named `{worker}.hlog`, where `{worker}` is the
+//!   worker id's display form (`prefill-0.hlog`, `decode-1.hlog`, `agg-2.1.hlog`, `router.hlog`).
+//!   Other files are ignored. This is what live workers and replay write.
+//! - **one merged file** (`.hrun` by convention), format version 1:
+//!
+//! ```text
+//! run      := RUN_MAGIC(8 = "HOFFRUN\0") run_format_version(u16 LE) codec_id(u16 LE)
+//!             stream_count(u16 LE, >= 1) stream_header{stream_count} mrecord*
+//! stream_header := header_len(u32 LE) header_crc(u32 LE, crc32 of header_bytes)
+//!                  header_bytes(StreamHeader, codec)       -- exactly as in a stream file
+//! mrecord  := len(u32 LE, bytes after the crc) crc(u32 LE, crc32 of the bytes after it)
+//!             stream(u16 LE, index into the stream headers) seq(u64 LE) at_ns(u64 LE) fact(codec)
+//! ```
+//!
+//! The stream headers appear in canonical order, and the records in merge order (below), so
+//! reading a merged file yields exactly the sequence the directory it was made from yields. Each
+//! stream's `seq` still starts at 0 and rises by one, and the merged reader checks that; the
+//! torn-tail rule is the same as for a stream.
+//!
+//! **Canonical order** of streams: by [`WorkerId`] (role Prefill < Decode < Aggregated < Router,
+//! then index, then data-parallel rank). **Merge order** of records: a k-way merge that always
+//! takes, among the streams' next unread records, the one with the smallest `(at_ns, stream index
+//! in canonical order)`; within a stream records keep their `seq` order. When every stream's
+//! `at_ns` never decreases (as writers that follow the time rules produce), this is the total
+//! order by `(at_ns, stream index, seq)`. The merge holds one record per stream, so memory does
+//! not grow with the length of the log.
+//!
+//! All streams of a run share one `run_id`; a stream of another run is an error.
+
+use super::codec;
+use super::error::LogError;
+use super::frame::{self, FrameReader, TornTail, FRAME_PREFIX_BYTES, MAX_RECORD_BYTES};
+use super::reader::{fixed8, truncate, StreamReader};
+use super::writer::{StreamWriter, FILE_BUFFER_BYTES, STREAM_RECORD_FIXED_BYTES};
+use super::{Fact, Record, StreamHeader, MAGIC};
+use crate::ids::{HandoffId, WorkerId};
+use std::cmp::{Ordering, Reverse};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::fs::{self, File};
+use std::io::{BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+/// The first eight bytes of a merged run file.
+pub const RUN_MAGIC: [u8; 8] = *b"HOFFRUN\0";
+/// The merged-run format this build writes and reads.
+pub const RUN_FORMAT_VERSION: u16 = 1;
+/// The extension of per-worker stream files in a run directory.
+pub const STREAM_EXTENSION: &str = "hlog";
+
+/// Bytes of a merged record body before the fact: stream(u16) + seq(u64) + at_ns(u64).
+const MERGED_RECORD_FIXED_BYTES: usize = 2 + STREAM_RECORD_FIXED_BYTES;
+
+/// The file name of `worker`'s stream in a run directory, e.g. `prefill-0.hlog`.
+pub fn stream_file_name(worker: WorkerId) -> String {
+    format!("{worker}.{STREAM_EXTENSION}")
+}
+
+/// Which layout a run was read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RunKind {
+    /// A directory of `{worker}.hlog` files.
+    Directory,
+    /// One merged `HOFFRUN` file.
+    Merged,
+    /// One stream file, read as a run of one stream.
+    Stream,
+}
+
+/// One record of the merge heap. Ordered so that the max-heap pops the smallest
+/// `(at_ns, stream)` first.
+struct Head {
+    stream: usize,
+    offset: u64,
+    record: Record,
+}
+
+impl Head {
+    fn key(&self) -> Reverse<(u64, usize)> {
+        Reverse((self.record.at_ns, self.stream))
+    }
+}
+impl PartialEq for Head {
+    fn eq(&self, o: &Self) -> bool {
+        self.key() == o.key()
+    }
+}
+impl Eq for Head {}
+impl PartialOrd for Head {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Head {
+    fn cmp(&self, o: &Self) -> Ordering {
+        self.key().cmp(&o.key())
+    }
+}
+
+enum Source {
+    Streams {
+        readers: Vec<StreamReader<BufReader<File>>>,
+        heap: BinaryHeap<Head>,
+        /// Streams whose head was taken and must be read again before the next pop. Refilling
+        /// lazily makes a stream's error surface when its next record is actually needed.
+        refill: Vec<usize>,
+    },
+    Merged {
+        frames: FrameReader<BufReader<File>>,
+        next_seq: Vec<u64>,
+    },
+}
+
+/// Reads a run (directory, merged file, or lone stream) in merge order.
+pub struct RunReader {
+    path: PathBuf,
+    kind: RunKind,
+    headers: Vec<StreamHeader>,
+    stream_paths: Vec<PathBuf>,
+    source: Source,
+    last_record_offset: Option<u64>,
+    done: bool,
+}
+
+impl RunReader {
+    /// Opens a run directory, a merged run file, or a single stream file, and reads every
+    /// stream header (checking that they share one run id).
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, LogError> {
+        let path = path.as_ref();
+        let meta = fs::metadata(path).map_err(|e| LogError::io(path, e))?;
+        if meta.is_dir() {
+            return Self::open_dir(path);
+        }
+        let mut magic = [0u8; 8];
+        let n = {
+            let mut f = File::open(path).map_err(|e| LogError::io(path, e))?;
+            frame::read_full(&mut f, &mut magic).map_err(|e| LogError::io(path, e))?
+        };
+        if n == 8 && magic == RUN_MAGIC {
+            Self::open_merged(path)
+        } else if n == 8 && magic == MAGIC {
+            Self::open_stream_file(path)
+        } else if n < 8 && (MAGIC.starts_with(&magic[..n]) || RUN_MAGIC.starts_with(&magic[..n])) {
+            Err(LogError::CorruptHeader {
+                path: path.into(),
+                offset: n as u64,
+                reason: format!("file ends after {n} bytes, inside the magic"),
+            })
+        } else {
+            Err(LogError::BadMagic {
+                path: path.into(),
+                expected: format!("{} or {}", MAGIC.escape_ascii(), RUN_MAGIC.escape_ascii()),
+                found: magic[..n].escape_ascii().to_string(),
+            })
+        }
+    }
+
+    fn open_stream_file(path: &Path) -> Result<Self, LogError> {
+        let reader = StreamReader::open(path)?;
+        Ok(Self::from_streams(path, RunKind::Stream, vec![reader]))
+    }
+
+    fn from_streams(
+        path: &Path,
+        kind: RunKind,
+        readers: Vec<StreamReader<BufReader<File>>>,
+    ) -> Self {
+        let headers = readers.iter().map(|r| r.header().clone()).collect();
+        let stream_paths = readers.iter().map(|r| r.path().to_path_buf()).collect();
+        let refill = (0..readers.len()).collect();
+        RunReader {
+            path: path.to_path_buf(),
+            kind,
+            headers,
+            stream_paths,
+            source: Source::Streams { readers, heap: BinaryHeap::new(), refill },
+            last_record_offset: None,
+            done: false,
+        }
+    }
+
+    fn open_dir(dir: &Path) -> Result<Self, LogError> {
+        let mut found: Vec<(WorkerId, PathBuf)> = Vec::new();
+        for entry in fs::read_dir(dir).map_err(|e| LogError::io(dir, e))? {
+            let entry = entry.map_err(|e| LogError::io(dir, e))?;
+            let p = entry.path();
+            if p.extension().and_then(|e| e.to_str()) != Some(STREAM_EXTENSION) {
+                continue;
+            }
+            let Some(stem) = p.file_stem().and_then(|s| s.to_str()) else { continue };
+            // Only the canonical spelling names a stream (`agg-1.0.hlog` is not `agg-1`'s).
+            let Ok(worker) = stem.parse::<WorkerId>() else { continue };
+            if worker.to_string() != stem || !p.is_file() {
+                continue;
+            }
+            found.push((worker, p));
+        }
+        if found.is_empty() {
+            return Err(LogError::EmptyRun { path: dir.into() });
+        }
+        found.sort();
+        let mut readers = Vec::with_capacity(found.len());
+        for (named, p) in found {
+            let r = StreamReader::open(&p)?;
+            let h = r.header();
+            if h.worker != named {
+                return Err(LogError::WorkerMismatch { path: p, named, found: h.worker });
+            }
+            if let Some(first) = readers.first().map(|f: &StreamReader<_>| f.header().run_id) {
+                if h.run_id != first {
+                    return Err(LogError::RunIdMismatch {
+                        path: p,
+                        worker: h.worker,
+                        expected: first,
+                        found: h.run_id,
+                    });
+                }
+            }
+            readers.push(r);
+        }
+        Ok(Self::from_streams(dir, RunKind::Directory, readers))
+    }
+
+    fn open_merged(path: &Path) -> Result<Self, LogError> {
+        let io = |e| LogError::io(path, e);
+        let mut r = BufReader::with_capacity(FILE_BUFFER_BYTES, File::open(path).map_err(io)?);
+        frame::read_prelude(&mut r, path, &RUN_MAGIC, RUN_FORMAT_VERSION)?;
+        let mut offset = frame::PRELUDE_BYTES as u64;
+        let mut count = [0u8; 2];
+        if frame::read_full(&mut r, &mut count).map_err(io)? < 2 {
+            return Err(LogError::CorruptHeader {
+                path: path.into(),
+                offset,
+                reason: "file ends inside the stream count".into(),
+            });
+        }
+        let count = u16::from_le_bytes(count) as usize;
+        if count == 0 {
+            return Err(LogError::EmptyRun { path: path.into() });
+        }
+        offset += 2;
+        let mut headers: Vec<StreamHeader> = Vec::with_capacity(count);
+        for _ in 0..count {
+            let (h, used) = frame::read_header_block(&mut r, path, offset)?;
+            if let Some(prev) = headers.last() {
+                if h.worker <= prev.worker {
+                    return Err(LogError::CorruptHeader {
+                        path: path.into(),
+                        offset,
+                        reason: format!(
+                            "stream headers out of canonical order: {} after {}",
+                            h.worker, prev.worker
+                        ),
+                    });
+                }
+                if h.run_id != headers[0].run_id {
+                    return Err(LogError::RunIdMismatch {
+                        path: path.into(),
+                        worker: h.worker,
+                        expected: headers[0].run_id,
+                        found: h.run_id,
+                    });
+                }
+            }
+            headers.push(h);
+            offset += used;
+        }
+        Ok(RunReader {
+            path: path.to_path_buf(),
+            kind: RunKind::Merged,
+            stream_paths: vec![path.to_path_buf()],
+            source: Source::Merged {
+                frames: FrameReader::new(r, path.to_path_buf(), offset),
+                next_seq: vec![0; headers.len()],
+            },
+            headers,
+            last_record_offset: None,
+            done: false,
+        })
+    }
+
+    /// The stream headers in canonical order; record tuples index into this.
+    pub fn headers(&self) -> &[StreamHeader] {
+        &self.headers
+    }
+
+    pub fn kind(&self) -> RunKind {
+        self.kind
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The files read: one per stream for a directory, the one file otherwise.
+    pub fn stream_paths(&self) -> &[PathBuf] {
+        &self.stream_paths
+    }
+
+    /// The next record in merge order, with the index of its stream in [`RunReader::headers`].
+    /// `None` at the end. After an error the reader is stopped and returns `None`.
+    #[allow(clippy::should_implement_trait)]
+    pub fn next(&mut self) -> Result<Option<(usize, Record)>, LogError> {
+        if self.done {
+            return Ok(None);
+        }
+        let result = self.read_next();
+        match &result {
+            Ok(None) | Err(_) => self.done = true,
+            Ok(Some(_)) => {}
+        }
+        result
+    }
+
+    fn read_next(&mut self) -> Result<Option<(usize, Record)>, LogError> {
+        match &mut self.source {
+            Source::Streams { readers, heap, refill } => {
+                for i in std::mem::take(refill) {
+                    let r = &mut readers[i];
+                    if let Some(record) = r.next_record()? {
+                        let offset = r.last_record_offset().unwrap_or_default();
+                        heap.push(Head { stream: i, offset, record });
+                    }
+                }
+                let Some(head) = heap.pop() else { return Ok(None) };
+                refill.push(head.stream);
+                self.last_record_offset = Some(head.offset);
+                Ok(Some((head.stream, head.record)))
+            }
+            Source::Merged { frames, next_seq } => {
+                let Some(offset) = frames.next_frame(MERGED_RECORD_FIXED_BYTES)? else {
+                    return Ok(None);
+                };
+                let body = &frames.body;
+                let stream = u16::from_le_bytes([body[0], body[1]]) as usize;
+                let seq = u64::from_le_bytes(fixed8(&body[2..10]));
+                let at_ns = u64::from_le_bytes(fixed8(&body[10..18]));
+                let Some(expected) = next_seq.get_mut(stream) else {
+                    return Err(frames.corrupt(
+                        offset,
+                        format!(
+                            "stream index {stream} out of range (the run has {} streams)",
+                            self.headers.len()
+                        ),
+                    ));
+                };
+                if seq != *expected {
+                    return Err(LogError::SequenceGap {
+                        path: frames.path().to_path_buf(),
+                        offset,
+                        expected: *expected,
+                        found: seq,
+                    });
+                }
+                let fact: Fact = codec::decode_exact(&body[MERGED_RECORD_FIXED_BYTES..])
+                    .map_err(|e| frames.corrupt(offset, format!("undecodable fact: {e}")))?;
+                *expected += 1;
+                self.last_record_offset = Some(offset);
+                Ok(Some((stream, Record { seq, at_ns, fact })))
+            }
+        }
+    }
+
+    /// The byte offset of the record last returned, in its stream file (directory) or in the
+    /// merged file.
+    pub fn last_record_offset(&self) -> Option<u64> {
+        self.last_record_offset
+    }
+
+    /// Torn tails found so far, with the file each is in (complete once `next` returned `None`).
+    pub fn torn_tails(&self) -> Vec<(PathBuf, TornTail)> {
+        match &self.source {
+            Source::Streams { readers, .. } => readers
+                .iter()
+                .filter_map(|r| r.torn_tail().map(|t| (r.path().to_path_buf(), t)))
+                .collect(),
+            Source::Merged { frames, .. } => {
+                frames.torn_tail().map(|t| (self.path.clone(), t)).into_iter().collect()
+            }
+        }
+    }
+
+    /// Iterates the remaining records (stops after the first error).
+    pub fn records(&mut self) -> impl Iterator<Item = Result<(usize, Record), LogError>> + '_ {
+        std::iter::from_fn(move || self.next().transpose())
+    }
+}
+
+/// Per-stream figures of a verified run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunStreamSummary {
+    pub header: StreamHeader,
+    pub records: u64,
+    pub first_at_ns: Option<u64>,
+    pub last_at_ns: Option<u64>,
+}
+
+/// What [`verify_run`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunSummary {
+    pub kind: RunKind,
+    /// In canonical order.
+    pub streams: Vec<RunStreamSummary>,
+    pub records: u64,
+    /// Distinct handoffs named anywhere in the run.
+    pub handoffs: usize,
+    /// Left in place: verifying never writes.
+    pub torn_tails: Vec<(PathBuf, TornTail)>,
+}
+
+/// Reads a whole run (any layout) and checks every stream's framing, checksums, sequence
+/// numbers and facts, and the shared run id. Writes nothing.
+pub fn verify_run(path: impl AsRef<Path>) -> Result<RunSummary, LogError> {
+    let mut run = RunReader::open(path)?;
+    let mut streams: Vec<RunStreamSummary> = run
+        .headers()
+        .iter()
+        .map(|h| RunStreamSummary {
+            header: h.clone(),
+            records: 0,
+            first_at_ns: None,
+            last_at_ns: None,
+        })
+        .collect();
+    let mut handoffs = BTreeSet::<HandoffId>::new();
+    let mut records = 0;
+    while let Some((i, rec)) = run.next()? {
+        records += 1;
+        if let Some(s) = streams.get_mut(i) {
+            s.records += 1;
+            s.first_at_ns.get_or_insert(rec.at_ns);
+            s.last_at_ns = Some(rec.at_ns);
+        }
+        if let Some(h) = rec.fact.handoff() {
+            handoffs.insert(h);
+        }
+    }
+    Ok(RunSummary {
+        kind: run.kind(),
+        streams,
+        records,
+        handoffs: handoffs.len(),
+        torn_tails: run.torn_tails(),
+    })
+}
+
+/// Reads a whole run (any layout), validating it, then truncates every torn tail found. If any
+/// other damage is found nothing is written. Returns what was cut.
+pub fn recover_run(path: impl AsRef<Path>) -> Result<Vec<(PathBuf, TornTail)>, LogError> {
+    let mut run = RunReader::open(path)?;
+    while run.next()?.is_some() {}
+    let torn = run.torn_tails();
+    drop(run);
+    for (p, t) in &torn {
+        truncate(p, t.offset)?;
+    }
+    Ok(torn)
+}
+
+/// What [`write_merged`] wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MergeSummary {
+    pub streams: usize,
+    pub records: u64,
+    pub bytes: u64,
+    /// Torn tails in the input, whose partial records were not carried over.
+    pub torn_tails: Vec<(PathBuf, TornTail)>,
+}
+
+/// Writes the run at `run_path` (any layout) as one merged file at `out_path`, in merge order.
+pub fn write_merged(
+    run_path: impl AsRef<Path>,
+    out_path: impl AsRef<Path>,
+) -> Result<MergeSummary, LogError> {
+    let out_path = out_path.as_ref();
+    let mut run = RunReader::open(run_path)?;
+    if run.headers().len() > u16::MAX as usize {
+        return Err(LogError::TooManyStreams {
+            path: run.path().into(),
+            count: run.headers().len(),
+            max: u16::MAX as usize,
+        });
+    }
+    let io = |e| LogError::io(out_path, e);
+    let file = File::create(out_path).map_err(io)?;
+    let mut out = BufWriter::with_capacity(FILE_BUFFER_BYTES, file);
+    let mut scratch = Vec::with_capacity(1024);
+    frame::write_prelude(&mut scratch, &RUN_MAGIC, RUN_FORMAT_VERSION);
+    scratch.extend_from_slice(&(run.headers().len() as u16).to_le_bytes());
+    for h in run.headers() {
+        frame::write_header_block(&mut scratch, h, out_path)?;
+    }
+    out.write_all(&scratch).map_err(io)?;
+    let mut bytes = scratch.len() as u64;
+    let mut records = 0u64;
+    while let Some((stream, rec)) = run.next()? {
+        scratch.clear();
+        scratch.extend_from_slice(&[0u8; FRAME_PREFIX_BYTES]);
+        scratch.extend_from_slice(&(stream as u16).to_le_bytes());
+        scratch.extend_from_slice(&rec.seq.to_le_bytes());
+        scratch.extend_from_slice(&rec.at_ns.to_le_bytes());
+        codec::encode_into(&rec.fact, &mut scratch)
+            .map_err(|reason| LogError::Encode { path: out_path.into(), reason })?;
+        let len = scratch.len() - FRAME_PREFIX_BYTES;
+        if len > MAX_RECORD_BYTES {
+            return Err(LogError::RecordTooLarge {
+                path: out_path.into(),
+                bytes: len,
+                max: MAX_RECORD_BYTES,
+            });
+        }
+        let crc = crc32fast::hash(&scratch[FRAME_PREFIX_BYTES..]);
+        scratch[0..4].copy_from_slice(&(len as u32).to_le_bytes());
+        scratch[4..8].copy_from_slice(&crc.to_le_bytes());
+        out.write_all(&scratch).map_err(io)?;
+        bytes += scratch.len() as u64;
+        records += 1;
+    }
+    let file = out.into_inner().map_err(|e| io(e.into_error()))?;
+    file.sync_all().map_err(io)?;
+    Ok(MergeSummary { streams: run.headers().len(), records, bytes, torn_tails: run.torn_tails() })
+}
+
+/// Writes a run directory: one [`StreamWriter`] per worker, each created on first use from the
+/// header it was given (for replay, which knows every worker up front).
+pub struct RunWriter {
+    dir: PathBuf,
+    headers: BTreeMap<WorkerId, StreamHeader>,
+    streams: BTreeMap<WorkerId, StreamWriter<BufWriter<File>>>,
+}
+
+impl RunWriter {
+    /// Prepares a run in `dir` (created if missing) for the workers of `headers`, which must
+    /// share one run id and name distinct workers. Refuses a directory that already holds
+    /// `.hlog` streams, so two runs are never mixed.
+    pub fn create(
+        dir: impl AsRef<Path>,
+        headers: impl IntoIterator<Item = StreamHeader>,
+    ) -> Result<Self, LogError> {
+        let dir = dir.as_ref();
+        let mut map: BTreeMap<WorkerId, StreamHeader> = BTreeMap::new();
+        let mut run_id = None;
+        for h in headers {
+            let path = dir.join(stream_file_name(h.worker));
+            // The file name must read back as the same worker (the router has one spelling).
+            let named = h.worker.to_string().parse::<WorkerId>().unwrap_or(WorkerId::ROUTER);
+            if named != h.worker {
+                return Err(LogError::WorkerMismatch { path, named, found: h.worker });
+            }
+            let expected = *run_id.get_or_insert(h.run_id);
+            if h.run_id != expected {
+                return Err(LogError::RunIdMismatch {
+                    path,
+                    worker: h.worker,
+                    expected,
+                    found: h.run_id,
+                });
+            }
+            if map.contains_key(&h.worker) {
+                return Err(LogError::DuplicateWorker { path, worker: h.worker });
+            }
+            map.insert(h.worker, h);
+        }
+        if map.is_empty() {
+            return Err(LogError::EmptyRun { path: dir.into() });
+        }
+        fs::create_dir_all(dir).map_err(|e| LogError::io(dir, e))?;
+        for entry in fs::read_dir(dir).map_err(|e| LogError::io(dir, e))? {
+            let p = entry.map_err(|e| LogError::io(dir, e))?.path();
+            if p.extension().and_then(|e| e.to_str()) == Some(STREAM_EXTENSION) {
+                return Err(LogError::RunExists {
+                    path: dir.into(),
+                    existing: p.display().to_string(),
+                });
+            }
+        }
+        Ok(RunWriter { dir: dir.to_path_buf(), headers: map, streams: BTreeMap::new() })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The headers, in canonical order.
+    pub fn headers(&self) -> impl Iterator<Item = &StreamHeader> {
+        self.headers.values()
+    }
+
+    /// `worker`'s stream, creating its file on first use.
+    pub fn stream(
+        &mut self,
+        worker: WorkerId,
+    ) -> Result<&mut StreamWriter<BufWriter<File>>, LogError> {
+        use std::collections::btree_map::Entry;
+        match self.streams.entry(worker) {
+            Entry::Occupied(e) => Ok(e.into_mut()),
+            Entry::Vacant(e) => {
+                let Some(header) = self.headers.get(&worker) else {
+                    return Err(LogError::UnknownWorker { path: self.dir.clone(), worker });
+                };
+                let w = StreamWriter::create(self.dir.join(stream_file_name(worker)), header)?;
+                Ok(e.insert(w))
+            }
+        }
+    }
+
+    /// Appends to `worker`'s stream.
+    pub fn append(&mut self, worker: WorkerId, at_ns: u64, fact: &Fact) -> Result<u64, LogError> {
+        self.stream(worker)?.append(at_ns, fact)
+    }
+
+    /// Creates the streams of workers that never appended (header only, so every worker's
+    /// engine shape is on record), flushes every stream, and returns the files in canonical
+    /// order.
+    pub fn finish(mut self) -> Result<Vec<PathBuf>, LogError> {
+        let workers: Vec<WorkerId> = self.headers.keys().copied().collect();
+        let mut paths = Vec::with_capacity(workers.len());
+        for w in workers {
+            let s = self.stream(w)?;
+            s.flush()?;
+            paths.push(s.name().to_path_buf());
+        }
+        Ok(paths)
+    }
+}

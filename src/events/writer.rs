@@ -1,0 +1,194 @@
+//! The append-only writer of one per-worker stream (format v1, see the module docs of
+//! [`crate::events`]).
+//!
+//! Appending encodes the record into a reused scratch buffer, checksums it, and hands it to the
+//! inner writer in one `write_all`: no allocation per record once the scratch has grown. A clean
+//! close writes nothing special, so a crash leaves a readable prefix plus at most one torn record,
+//! which [`StreamWriter::open_append`] (or [`crate::events::recover`]) cuts off.
+
+use super::codec;
+use super::error::LogError;
+use super::frame::{self, TornTail, FRAME_PREFIX_BYTES, MAX_RECORD_BYTES};
+use super::reader::StreamReader;
+use super::{Fact, StreamHeader, FORMAT_VERSION, MAGIC};
+use std::fs::{File, OpenOptions};
+use std::io::{BufReader, BufWriter, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+/// Buffer size for file-backed writers and readers: large enough that a syscall carries
+/// thousands of small records.
+pub(crate) const FILE_BUFFER_BYTES: usize = 1 << 20;
+
+/// Bytes of a stream record body before the fact: seq(u64) + at_ns(u64).
+pub(crate) const STREAM_RECORD_FIXED_BYTES: usize = 16;
+
+/// Appends records to one stream.
+#[derive(Debug)]
+pub struct StreamWriter<W: Write> {
+    inner: W,
+    /// Named in errors: the file, or what the caller called an in-memory stream.
+    name: PathBuf,
+    header: StreamHeader,
+    scratch: Vec<u8>,
+    next_seq: u64,
+    bytes_written: u64,
+    poisoned: bool,
+}
+
+impl<W: Write> StreamWriter<W> {
+    /// Writes the stream header to `inner` and returns a writer positioned for record 0.
+    pub fn new(inner: W, header: &StreamHeader) -> Result<Self, LogError> {
+        Self::new_named(inner, header, "<stream>")
+    }
+
+    /// Like [`StreamWriter::new`], naming the stream in errors.
+    pub fn new_named(
+        inner: W,
+        header: &StreamHeader,
+        name: impl Into<PathBuf>,
+    ) -> Result<Self, LogError> {
+        let name = name.into();
+        let mut scratch = Vec::with_capacity(256);
+        frame::write_prelude(&mut scratch, &MAGIC, FORMAT_VERSION);
+        frame::write_header_block(&mut scratch, header, &name)?;
+        let mut w = StreamWriter {
+            inner,
+            name,
+            header: header.clone(),
+            scratch,
+            next_seq: 0,
+            bytes_written: 0,
+            poisoned: false,
+        };
+        w.write_scratch()?;
+        Ok(w)
+    }
+
+    /// Appends one record and returns its sequence number.
+    pub fn append(&mut self, at_ns: u64, fact: &Fact) -> Result<u64, LogError> {
+        if self.poisoned {
+            return Err(LogError::WriterPoisoned { path: self.name.clone() });
+        }
+        let seq = self.next_seq;
+        let s = &mut self.scratch;
+        s.clear();
+        s.extend_from_slice(&[0u8; FRAME_PREFIX_BYTES]);
+        s.extend_from_slice(&seq.to_le_bytes());
+        s.extend_from_slice(&at_ns.to_le_bytes());
+        codec::encode_into(fact, s)
+            .map_err(|reason| LogError::Encode { path: self.name.clone(), reason })?;
+        let len = s.len() - FRAME_PREFIX_BYTES;
+        if len > MAX_RECORD_BYTES {
+            return Err(LogError::RecordTooLarge {
+                path: self.name.clone(),
+                bytes: len,
+                max: MAX_RECORD_BYTES,
+            });
+        }
+        let crc = crc32fast::hash(&s[FRAME_PREFIX_BYTES..]);
+        s[0..4].copy_from_slice(&(len as u32).to_le_bytes());
+        s[4..8].copy_from_slice(&crc.to_le_bytes());
+        self.write_scratch()?;
+        self.next_seq += 1;
+        Ok(seq)
+    }
+
+    fn write_scratch(&mut self) -> Result<(), LogError> {
+        if let Err(e) = self.inner.write_all(&self.scratch) {
+            // Part of the record may have reached the inner writer.
+            self.poisoned = true;
+            return Err(LogError::io(&self.name, e));
+        }
+        self.bytes_written += self.scratch.len() as u64;
+        Ok(())
+    }
+
+    /// Pushes buffered bytes to the inner writer (for a file: to the OS, not to the disk).
+    pub fn flush(&mut self) -> Result<(), LogError> {
+        if self.poisoned {
+            return Err(LogError::WriterPoisoned { path: self.name.clone() });
+        }
+        self.inner.flush().map_err(|e| {
+            self.poisoned = true;
+            LogError::io(&self.name, e)
+        })
+    }
+
+    /// Flushes and returns the inner writer.
+    pub fn finish(mut self) -> Result<W, LogError> {
+        self.flush()?;
+        Ok(self.inner)
+    }
+
+    /// The sequence number the next append will get (= records in the stream so far).
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
+    }
+
+    /// The stream's length in bytes so far, header included (and, after
+    /// [`StreamWriter::open_append`], the records already on disk): the byte offset at which the
+    /// next record will start.
+    pub fn bytes_written(&self) -> u64 {
+        self.bytes_written
+    }
+
+    pub fn header(&self) -> &StreamHeader {
+        &self.header
+    }
+
+    /// The name errors use.
+    pub fn name(&self) -> &Path {
+        &self.name
+    }
+
+    pub fn get_ref(&self) -> &W {
+        &self.inner
+    }
+}
+
+impl StreamWriter<BufWriter<File>> {
+    /// Creates (or truncates) the file at `path` and writes the header.
+    pub fn create(path: impl AsRef<Path>, header: &StreamHeader) -> Result<Self, LogError> {
+        let path = path.as_ref();
+        let file = File::create(path).map_err(|e| LogError::io(path, e))?;
+        Self::new_named(BufWriter::with_capacity(FILE_BUFFER_BYTES, file), header, path)
+    }
+
+    /// Reopens an existing stream to continue it (a restarted live worker). Reads and validates
+    /// every record; cuts off a torn tail (returned, so the caller can report it); positions the
+    /// writer after the last sound record with the sequence continuing from it. Any other damage
+    /// is an error and nothing is written.
+    pub fn open_append(path: impl AsRef<Path>) -> Result<(Self, Option<TornTail>), LogError> {
+        let path = path.as_ref();
+        let io = |e| LogError::io(path, e);
+        let mut file = OpenOptions::new().read(true).write(true).open(path).map_err(io)?;
+        let (header, next_seq, end, torn) = {
+            let clone = file.try_clone().map_err(io)?;
+            let mut reader =
+                StreamReader::new(BufReader::with_capacity(FILE_BUFFER_BYTES, clone), path)?;
+            while reader.next_record()?.is_some() {}
+            (reader.header().clone(), reader.next_seq(), reader.offset(), reader.torn_tail())
+        };
+        if torn.is_some() {
+            file.set_len(end).map_err(io)?;
+            file.sync_all().map_err(io)?;
+        }
+        file.seek(SeekFrom::Start(end)).map_err(io)?;
+        let writer = StreamWriter {
+            inner: BufWriter::with_capacity(FILE_BUFFER_BYTES, file),
+            name: path.to_path_buf(),
+            header,
+            scratch: Vec::with_capacity(256),
+            next_seq,
+            bytes_written: end,
+            poisoned: false,
+        };
+        Ok((writer, torn))
+    }
+
+    /// Flushes and asks the OS to put the data on disk (for live workers at checkpoints).
+    pub fn sync_data(&mut self) -> Result<(), LogError> {
+        self.flush()?;
+        self.inner.get_ref().sync_data().map_err(|e| LogError::io(&self.name, e))
+    }
+}
