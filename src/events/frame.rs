@@ -115,8 +115,10 @@ pub(crate) fn write_header_block(
 ) -> Result<(), LogError> {
     let start = out.len();
     out.extend_from_slice(&[0u8; 8]);
-    codec::encode_into(header, out)
-        .map_err(|reason| LogError::Encode { path: path.into(), reason })?;
+    codec::encode_into(header, out).map_err(|reason| LogError::Encode {
+        path: path.into(),
+        reason,
+    })?;
     let len = out.len() - start - 8;
     if len > MAX_HEADER_BYTES {
         return Err(LogError::RecordTooLarge {
@@ -137,7 +139,11 @@ pub(crate) fn read_header_block<R: Read>(
     path: &Path,
     offset: u64,
 ) -> Result<(StreamHeader, u64), LogError> {
-    let corrupt = |reason: String| LogError::CorruptHeader { path: path.into(), offset, reason };
+    let corrupt = |reason: String| LogError::CorruptHeader {
+        path: path.into(),
+        offset,
+        reason,
+    };
     let mut pre = [0u8; 8];
     let n = read_full(r, &mut pre).map_err(|e| LogError::io(path, e))?;
     if n < 8 {
@@ -155,7 +161,9 @@ pub(crate) fn read_header_block<R: Read>(
     let mut bytes = vec![0u8; len];
     let got = read_full(r, &mut bytes).map_err(|e| LogError::io(path, e))?;
     if got < len {
-        return Err(corrupt(format!("file ends inside the header ({got} of {len} bytes)")));
+        return Err(corrupt(format!(
+            "file ends inside the header ({got} of {len} bytes)"
+        )));
     }
     let actual = crc32fast::hash(&bytes);
     if actual != crc {
@@ -183,7 +191,14 @@ pub(crate) struct FrameReader<R> {
 
 impl<R: Read> FrameReader<R> {
     pub(crate) fn new(inner: R, path: PathBuf, offset: u64) -> Self {
-        FrameReader { inner, path, offset, body: Vec::new(), torn: None, ended: false }
+        FrameReader {
+            inner,
+            path,
+            offset,
+            body: Vec::new(),
+            torn: None,
+            ended: false,
+        }
     }
 
     pub(crate) fn path(&self) -> &Path {
@@ -204,7 +219,11 @@ impl<R: Read> FrameReader<R> {
     }
 
     pub(crate) fn corrupt(&self, offset: u64, reason: String) -> LogError {
-        LogError::Corrupt { path: self.path.clone(), offset, reason }
+        LogError::Corrupt {
+            path: self.path.clone(),
+            offset,
+            reason,
+        }
     }
 
     /// Reads the next frame whose body must be at least `min_body` bytes. Returns the frame's
@@ -228,7 +247,10 @@ impl<R: Read> FrameReader<R> {
             return Ok(None);
         }
         if n < FRAME_PREFIX_BYTES {
-            self.torn = Some(TornTail { offset: start, bytes: n as u64 });
+            self.torn = Some(TornTail {
+                offset: start,
+                bytes: n as u64,
+            });
             return Ok(None);
         }
         let len = u32::from_le_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]) as usize;
@@ -260,7 +282,10 @@ impl<R: Read> FrameReader<R> {
                     ),
                 ));
             }
-            self.torn = Some(TornTail { offset: start, bytes: (FRAME_PREFIX_BYTES + got) as u64 });
+            self.torn = Some(TornTail {
+                offset: start,
+                bytes: (FRAME_PREFIX_BYTES + got) as u64,
+            });
             return Ok(None);
         }
         let actual = crc32fast::hash(&self.body);

@@ -84,8 +84,10 @@ impl<R: Read> StreamReader<R> {
                 found: seq,
             });
         }
-        let fact: Fact = codec::decode_exact(&body[STREAM_RECORD_FIXED_BYTES..])
-            .map_err(|e| self.frames.corrupt(offset, format!("undecodable fact: {e}")))?;
+        let fact: Fact = codec::decode_exact(&body[STREAM_RECORD_FIXED_BYTES..]).map_err(|e| {
+            self.frames
+                .corrupt(offset, format!("undecodable fact: {e}"))
+        })?;
         self.next_seq += 1;
         self.last_record_offset = Some(offset);
         Ok(Some(Record { seq, at_ns, fact }))

@@ -177,7 +177,11 @@ impl RunReader {
             kind,
             headers,
             stream_paths,
-            source: Source::Streams { readers, heap: BinaryHeap::new(), refill },
+            source: Source::Streams {
+                readers,
+                heap: BinaryHeap::new(),
+                refill,
+            },
             last_record_offset: None,
             done: false,
         }
@@ -191,9 +195,13 @@ impl RunReader {
             if p.extension().and_then(|e| e.to_str()) != Some(STREAM_EXTENSION) {
                 continue;
             }
-            let Some(stem) = p.file_stem().and_then(|s| s.to_str()) else { continue };
+            let Some(stem) = p.file_stem().and_then(|s| s.to_str()) else {
+                continue;
+            };
             // Only the canonical spelling names a stream (`agg-1.0.hlog` is not `agg-1`'s).
-            let Ok(worker) = stem.parse::<WorkerId>() else { continue };
+            let Ok(worker) = stem.parse::<WorkerId>() else {
+                continue;
+            };
             if worker.to_string() != stem || !p.is_file() {
                 continue;
             }
@@ -208,7 +216,11 @@ impl RunReader {
             let r = StreamReader::open(&p)?;
             let h = r.header();
             if h.worker != named {
-                return Err(LogError::WorkerMismatch { path: p, named, found: h.worker });
+                return Err(LogError::WorkerMismatch {
+                    path: p,
+                    named,
+                    found: h.worker,
+                });
             }
             if let Some(first) = readers.first().map(|f: &StreamReader<_>| f.header().run_id) {
                 if h.run_id != first {
@@ -318,15 +330,25 @@ impl RunReader {
 
     fn read_next(&mut self) -> Result<Option<(usize, Record)>, LogError> {
         match &mut self.source {
-            Source::Streams { readers, heap, refill } => {
+            Source::Streams {
+                readers,
+                heap,
+                refill,
+            } => {
                 for i in std::mem::take(refill) {
                     let r = &mut readers[i];
                     if let Some(record) = r.next_record()? {
                         let offset = r.last_record_offset().unwrap_or_default();
-                        heap.push(Head { stream: i, offset, record });
+                        heap.push(Head {
+                            stream: i,
+                            offset,
+                            record,
+                        });
                     }
                 }
-                let Some(head) = heap.pop() else { return Ok(None) };
+                let Some(head) = heap.pop() else {
+                    return Ok(None);
+                };
                 refill.push(head.stream);
                 self.last_record_offset = Some(head.offset);
                 Ok(Some((head.stream, head.record)))
@@ -378,9 +400,11 @@ impl RunReader {
                 .iter()
                 .filter_map(|r| r.torn_tail().map(|t| (r.path().to_path_buf(), t)))
                 .collect(),
-            Source::Merged { frames, .. } => {
-                frames.torn_tail().map(|t| (self.path.clone(), t)).into_iter().collect()
-            }
+            Source::Merged { frames, .. } => frames
+                .torn_tail()
+                .map(|t| (self.path.clone(), t))
+                .into_iter()
+                .collect(),
         }
     }
 
@@ -503,8 +527,10 @@ pub fn write_merged(
         scratch.extend_from_slice(&(stream as u16).to_le_bytes());
         scratch.extend_from_slice(&rec.seq.to_le_bytes());
         scratch.extend_from_slice(&rec.at_ns.to_le_bytes());
-        codec::encode_into(&rec.fact, &mut scratch)
-            .map_err(|reason| LogError::Encode { path: out_path.into(), reason })?;
+        codec::encode_into(&rec.fact, &mut scratch).map_err(|reason| LogError::Encode {
+            path: out_path.into(),
+            reason,
+        })?;
         let len = scratch.len() - FRAME_PREFIX_BYTES;
         if len > MAX_RECORD_BYTES {
             return Err(LogError::RecordTooLarge {
@@ -522,7 +548,12 @@ pub fn write_merged(
     }
     let file = out.into_inner().map_err(|e| io(e.into_error()))?;
     file.sync_all().map_err(io)?;
-    Ok(MergeSummary { streams: run.headers().len(), records, bytes, torn_tails: run.torn_tails() })
+    Ok(MergeSummary {
+        streams: run.headers().len(),
+        records,
+        bytes,
+        torn_tails: run.torn_tails(),
+    })
 }
 
 /// Writes a run directory: one [`StreamWriter`] per worker, each created on first use from the
@@ -547,9 +578,17 @@ impl RunWriter {
         for h in headers {
             let path = dir.join(stream_file_name(h.worker));
             // The file name must read back as the same worker (the router has one spelling).
-            let named = h.worker.to_string().parse::<WorkerId>().unwrap_or(WorkerId::ROUTER);
+            let named = h
+                .worker
+                .to_string()
+                .parse::<WorkerId>()
+                .unwrap_or(WorkerId::ROUTER);
             if named != h.worker {
-                return Err(LogError::WorkerMismatch { path, named, found: h.worker });
+                return Err(LogError::WorkerMismatch {
+                    path,
+                    named,
+                    found: h.worker,
+                });
             }
             let expected = *run_id.get_or_insert(h.run_id);
             if h.run_id != expected {
@@ -561,7 +600,10 @@ impl RunWriter {
                 });
             }
             if map.contains_key(&h.worker) {
-                return Err(LogError::DuplicateWorker { path, worker: h.worker });
+                return Err(LogError::DuplicateWorker {
+                    path,
+                    worker: h.worker,
+                });
             }
             map.insert(h.worker, h);
         }
@@ -578,7 +620,11 @@ impl RunWriter {
                 });
             }
         }
-        Ok(RunWriter { dir: dir.to_path_buf(), headers: map, streams: BTreeMap::new() })
+        Ok(RunWriter {
+            dir: dir.to_path_buf(),
+            headers: map,
+            streams: BTreeMap::new(),
+        })
     }
 
     pub fn dir(&self) -> &Path {
@@ -600,7 +646,10 @@ impl RunWriter {
             Entry::Occupied(e) => Ok(e.into_mut()),
             Entry::Vacant(e) => {
                 let Some(header) = self.headers.get(&worker) else {
-                    return Err(LogError::UnknownWorker { path: self.dir.clone(), worker });
+                    return Err(LogError::UnknownWorker {
+                        path: self.dir.clone(),
+                        worker,
+                    });
                 };
                 let w = StreamWriter::create(self.dir.join(stream_file_name(worker)), header)?;
                 Ok(e.insert(w))

@@ -67,7 +67,9 @@ impl<W: Write> StreamWriter<W> {
     /// Appends one record and returns its sequence number.
     pub fn append(&mut self, at_ns: u64, fact: &Fact) -> Result<u64, LogError> {
         if self.poisoned {
-            return Err(LogError::WriterPoisoned { path: self.name.clone() });
+            return Err(LogError::WriterPoisoned {
+                path: self.name.clone(),
+            });
         }
         let seq = self.next_seq;
         let s = &mut self.scratch;
@@ -75,8 +77,10 @@ impl<W: Write> StreamWriter<W> {
         s.extend_from_slice(&[0u8; FRAME_PREFIX_BYTES]);
         s.extend_from_slice(&seq.to_le_bytes());
         s.extend_from_slice(&at_ns.to_le_bytes());
-        codec::encode_into(fact, s)
-            .map_err(|reason| LogError::Encode { path: self.name.clone(), reason })?;
+        codec::encode_into(fact, s).map_err(|reason| LogError::Encode {
+            path: self.name.clone(),
+            reason,
+        })?;
         let len = s.len() - FRAME_PREFIX_BYTES;
         if len > MAX_RECORD_BYTES {
             return Err(LogError::RecordTooLarge {
@@ -106,7 +110,9 @@ impl<W: Write> StreamWriter<W> {
     /// Pushes buffered bytes to the inner writer (for a file: to the OS, not to the disk).
     pub fn flush(&mut self) -> Result<(), LogError> {
         if self.poisoned {
-            return Err(LogError::WriterPoisoned { path: self.name.clone() });
+            return Err(LogError::WriterPoisoned {
+                path: self.name.clone(),
+            });
         }
         self.inner.flush().map_err(|e| {
             self.poisoned = true;
@@ -151,7 +157,11 @@ impl StreamWriter<BufWriter<File>> {
     pub fn create(path: impl AsRef<Path>, header: &StreamHeader) -> Result<Self, LogError> {
         let path = path.as_ref();
         let file = File::create(path).map_err(|e| LogError::io(path, e))?;
-        Self::new_named(BufWriter::with_capacity(FILE_BUFFER_BYTES, file), header, path)
+        Self::new_named(
+            BufWriter::with_capacity(FILE_BUFFER_BYTES, file),
+            header,
+            path,
+        )
     }
 
     /// Reopens an existing stream to continue it (a restarted live worker). Reads and validates
@@ -161,13 +171,22 @@ impl StreamWriter<BufWriter<File>> {
     pub fn open_append(path: impl AsRef<Path>) -> Result<(Self, Option<TornTail>), LogError> {
         let path = path.as_ref();
         let io = |e| LogError::io(path, e);
-        let mut file = OpenOptions::new().read(true).write(true).open(path).map_err(io)?;
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(io)?;
         let (header, next_seq, end, torn) = {
             let clone = file.try_clone().map_err(io)?;
             let mut reader =
                 StreamReader::new(BufReader::with_capacity(FILE_BUFFER_BYTES, clone), path)?;
             while reader.next_record()?.is_some() {}
-            (reader.header().clone(), reader.next_seq(), reader.offset(), reader.torn_tail())
+            (
+                reader.header().clone(),
+                reader.next_seq(),
+                reader.offset(),
+                reader.torn_tail(),
+            )
         };
         if torn.is_some() {
             file.set_len(end).map_err(io)?;
@@ -189,6 +208,9 @@ impl StreamWriter<BufWriter<File>> {
     /// Flushes and asks the OS to put the data on disk (for live workers at checkpoints).
     pub fn sync_data(&mut self) -> Result<(), LogError> {
         self.flush()?;
-        self.inner.get_ref().sync_data().map_err(|e| LogError::io(&self.name, e))
+        self.inner
+            .get_ref()
+            .sync_data()
+            .map_err(|e| LogError::io(&self.name, e))
     }
 }

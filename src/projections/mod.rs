@@ -13,3 +13,4 @@ pub mod distribution;
 pub mod metrics;
 
 pub use metrics::{MetricsFold, MetricsReport, PerRequest};
+pub mod run;

@@ -1,0 +1,146 @@
+//! Replay configuration: cluster shape, backend engine settings, lifecycle timeouts, transfer
+//! timing and routing. Read from a JSON file (`--config`), with command-line flags on top.
+//! Unknown keys are errors, so a typo never silently falls back to a default.
+
+use crate::adapters::replay::transfer::TransferConfig;
+use crate::ids::{Backend, HandoffPolicy};
+use crate::router::RouterMode;
+use crate::schedulers::sglang::SglangConfig;
+use crate::schedulers::vllm::VllmConfig;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// Everything a replay needs besides the trace.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReplayConfig {
+    pub backend: Backend,
+    /// `None`: the backend's native policy (vLLM source-first, SGLang destination-first).
+    pub policy: Option<HandoffPolicy>,
+    /// Disaggregated shape. Both zero means aggregated serving with `workers` workers.
+    pub prefill_workers: u32,
+    pub decode_workers: u32,
+    /// Aggregated serving (no handoff) when the disaggregated counts are zero.
+    pub workers: u32,
+    pub prefill_router: RouterMode,
+    pub decode_router: RouterMode,
+    /// The run's one seed: HandoffIds, random routing, everything.
+    pub seed: u64,
+    pub vllm: VllmConfig,
+    pub sglang: SglangConfig,
+    pub transfer: TransferConfig,
+    /// Source lease (vLLM's abort timeout, default 480 s).
+    pub lease_ms: u64,
+    /// When set, the destination renews the source lease every `lease_renew_ms` while it
+    /// waits, each renewal extending the deadline to now + `lease_ms` (vLLM's later lease mode).
+    pub lease_renew_ms: Option<u64>,
+    /// Destination reservation deadline after it is reserved (SGLang's waiting timeout, 300 s).
+    pub reservation_timeout_ms: u64,
+    /// Destination-first: a prefill still waiting for its destination after this long fails
+    /// (SGLang's bootstrap timeout, 300 s).
+    pub bootstrap_timeout_ms: u64,
+    /// Divides trace timestamps.
+    pub arrival_speedup: f64,
+    /// Most requests in flight before arrivals are held back (a limit on every queue).
+    pub max_in_flight: usize,
+}
+
+impl Default for ReplayConfig {
+    fn default() -> Self {
+        ReplayConfig {
+            backend: Backend::Vllm,
+            policy: None,
+            prefill_workers: 0,
+            decode_workers: 0,
+            workers: 1,
+            prefill_router: RouterMode::RoundRobin,
+            decode_router: RouterMode::RoundRobin,
+            seed: 0,
+            vllm: VllmConfig::default(),
+            sglang: SglangConfig::default(),
+            transfer: TransferConfig::default(),
+            lease_ms: 480_000,
+            lease_renew_ms: None,
+            reservation_timeout_ms: 300_000,
+            bootstrap_timeout_ms: 300_000,
+            arrival_speedup: 1.0,
+            max_in_flight: 1_000_000,
+        }
+    }
+}
+
+/// A configuration that cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("{path}: line {line}, column {column}: {message}")]
+    Parse { path: String, line: usize, column: usize, message: String },
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+impl ReplayConfig {
+    /// Reads a JSON configuration file; keys not given keep their defaults.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
+        serde_json::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.display().to_string(),
+            line: e.line(),
+            column: e.column(),
+            message: e.to_string(),
+        })
+    }
+
+    /// The policy in force.
+    pub fn effective_policy(&self) -> HandoffPolicy {
+        if !self.is_disaggregated() {
+            return HandoffPolicy::Disabled;
+        }
+        self.policy.unwrap_or_else(|| self.backend.native_policy())
+    }
+
+    pub fn is_disaggregated(&self) -> bool {
+        self.prefill_workers > 0 || self.decode_workers > 0
+    }
+
+    /// Checks everything a replay relies on, naming the offending setting.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.is_disaggregated() {
+            if self.prefill_workers == 0 || self.decode_workers == 0 {
+                return bad(format!(
+                    "disaggregated serving needs prefill and decode workers (got --prefill {} --decode {})",
+                    self.prefill_workers, self.decode_workers
+                ));
+            }
+            if self.effective_policy() == HandoffPolicy::Disabled {
+                return bad("policy `disabled` applies to aggregated serving only; use --workers N".into());
+            }
+        } else if self.workers == 0 {
+            return bad("no workers: give --workers N or --prefill N --decode M".into());
+        }
+        if self.backend == Backend::TrtLlm && self.is_disaggregated() {
+            return bad("trtllm: destination reservation is not modeled yet (the proposal defers it); use vllm or sglang".into());
+        }
+        if !(self.arrival_speedup > 0.0 && self.arrival_speedup.is_finite()) {
+            return bad(format!("arrival_speedup must be a positive number, got {}", self.arrival_speedup));
+        }
+        if self.lease_ms == 0 {
+            return bad("lease_ms must be > 0".into());
+        }
+        if let Some(r) = self.lease_renew_ms {
+            if r == 0 || r >= self.lease_ms {
+                return bad(format!("lease_renew_ms ({r}) must be > 0 and < lease_ms ({})", self.lease_ms));
+            }
+        }
+        if self.reservation_timeout_ms == 0 || self.bootstrap_timeout_ms == 0 {
+            return bad("reservation_timeout_ms and bootstrap_timeout_ms must be > 0".into());
+        }
+        if self.max_in_flight == 0 {
+            return bad("max_in_flight must be > 0".into());
+        }
+        Ok(())
+    }
+}

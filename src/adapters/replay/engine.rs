@@ -1,0 +1,999 @@
+//! The offline replay: a discrete-event loop on a virtual clock that composes per-worker engine
+//! cores, the role-local handoff state machines, the routers and an in-process transport, and
+//! writes every worker's facts to its own stream.
+//!
+//! ## Determinism
+//! Events are ordered by `(time, insertion sequence)`. Every id and every random choice comes
+//! from the run's seed. Maps whose order is observed are `BTreeMap`s. Same trace + config + seed
+//! ⇒ byte-identical logs.
+//!
+//! ## Shape of the loop
+//! * A worker runs one step at a time. A step's facts are observed when it completes; commands
+//!   that reach a busy worker wait in its inbox and are applied between steps, as a real engine
+//!   loop applies control messages between iterations.
+//! * Cross-worker effects (messages, commands the frontend issues, transfer completions,
+//!   timers) are events, never nested calls, so no handler re-enters another.
+//! * The frontend keeps each request's guard (its workers, its handoff, whether it ended): the
+//!   router's request guard, which frees bookings exactly once at the terminal outcome. Handoff
+//!   state itself lives only in the role machines on each worker.
+//! * The run ends when no event is left. Every worker must then be drained; if one is not, the
+//!   replay says which handoffs are stuck, where, and on what they wait.
+
+use crate::adapters::replay::config::{ConfigError, ReplayConfig};
+use crate::adapters::replay::trace::{TraceError, TraceReader, TraceRequest};
+use crate::adapters::replay::transfer::TransferModel;
+use crate::events::{EngineShape, Fact, LogError, Record, RunWriter, StreamHeader, TerminalStatus};
+use crate::ids::{
+    Backend, CancelReason, ClockDomain, EndReason, Generation, HandoffId, HandoffPolicy, IdMint,
+    KvHandoffDemand, RequestId, Role, WorkerId,
+};
+use crate::lifecycle::destination::{
+    DestinationAction, DestinationConfig, DestinationEvent, DestinationHandoff, DestinationInit,
+};
+use crate::lifecycle::messages::{HandoffMessage, MessageBody};
+use crate::lifecycle::source::{SourceAction, SourceConfig, SourceEvent, SourceHandoff, SourceInit};
+use crate::projections::metrics::{MetricsFold, MetricsReport, PerRequest};
+use crate::router::Router;
+use crate::schedulers::sglang::SglangCore;
+use crate::schedulers::vllm::VllmCore;
+use crate::schedulers::{CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, Request};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+use std::path::Path;
+
+const NS_PER_MS: u64 = 1_000_000;
+/// Zero-duration steps in a row at one instant before a worker is declared stuck in a loop.
+const MAX_ZERO_STEPS: u32 = 10_000;
+
+/// Why a replay could not run or finish.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    #[error(transparent)]
+    Log(#[from] LogError),
+    #[error("{0}")]
+    Engine(String),
+}
+
+/// A command for one worker, applied when the worker is between steps.
+#[derive(Clone, Debug)]
+enum Cmd {
+    Submit(Request),
+    DispatchPrefill { handoff: HandoffId, request: Request, lease_ns: u64 },
+    Reserve { handoff: HandoffId, request: Request, deadline_ns: u64 },
+    Activate(HandoffId),
+    ReleaseSource(HandoffId, EndReason),
+    CancelSource(HandoffId, CancelReason),
+    CancelDestination(HandoffId, CancelReason),
+}
+
+#[derive(Clone, Debug)]
+enum Ev {
+    Arrival,
+    StepDone(usize),
+    Command { slot: usize, cmd: Cmd },
+    Deliver { slot: usize, msg: HandoffMessage },
+    TransferDone { slot: usize, handoff: HandoffId },
+    LeaseTimer { slot: usize, handoff: HandoffId },
+    ReservationTimer { slot: usize, handoff: HandoffId },
+    RenewTimer { slot: usize, handoff: HandoffId },
+    BootstrapTimer { request: RequestId },
+}
+
+struct Queued {
+    at_ns: u64,
+    seq: u64,
+    ev: Ev,
+}
+
+impl PartialEq for Queued {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at_ns, self.seq) == (o.at_ns, o.seq)
+    }
+}
+impl Eq for Queued {}
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Queued {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (self.at_ns, self.seq).cmp(&(o.at_ns, o.seq))
+    }
+}
+
+struct Slot {
+    id: WorkerId,
+    core: Box<dyn EngineCore>,
+    /// A step is in flight; its effects wait in `pending` until `StepDone`.
+    busy: bool,
+    pending: Option<Effects>,
+    inbox: VecDeque<Cmd>,
+    generation: Generation,
+    sources: BTreeMap<HandoffId, SourceHandoff>,
+    destinations: BTreeMap<HandoffId, DestinationHandoff>,
+    zero_steps: (u64, u32),
+}
+
+/// The frontend's request guard.
+struct Guard {
+    request: Request,
+    handoff: Option<HandoffId>,
+    prefill: Option<usize>,
+    decode: Option<usize>,
+    activated: bool,
+}
+
+/// What a finished replay hands back.
+pub struct ReplayOutcome {
+    pub report: MetricsReport,
+    /// Every worker drained at the end.
+    pub drained: bool,
+    /// When not drained: one line per stuck handoff or request, saying where and on what.
+    pub stuck: Vec<String>,
+    pub events: u64,
+    pub virtual_end_ns: u64,
+}
+
+/// Progress callback: (requests arrived, virtual time ns).
+pub type Progress<'a> = &'a mut dyn FnMut(u64, u64);
+
+pub struct Replay<'a> {
+    cfg: ReplayConfig,
+    policy: HandoffPolicy,
+    now_ns: u64,
+    seq: u64,
+    events: u64,
+    queue: BinaryHeap<Reverse<Queued>>,
+    slots: Vec<Slot>,
+    prefill_router: Router,
+    decode_router: Option<Router>,
+    guards: BTreeMap<RequestId, Guard>,
+    handoff_request: BTreeMap<HandoffId, RequestId>,
+    transfer: Box<dyn TransferModel>,
+    mint: IdMint,
+    out: RunWriter,
+    metrics: MetricsFold,
+    trace: TraceReader<Box<dyn std::io::BufRead>>,
+    next_arrival: Option<TraceRequest>,
+    arrivals: u64,
+    held_back: bool,
+    block_size: u32,
+    progress: Option<Progress<'a>>,
+    error: Option<ReplayError>,
+}
+
+impl<'a> Replay<'a> {
+    /// Builds the cluster and opens the output streams in `out_dir`.
+    pub fn new(
+        cfg: ReplayConfig,
+        trace: TraceReader<Box<dyn std::io::BufRead>>,
+        out_dir: &Path,
+        per_request: Option<Box<dyn FnMut(&PerRequest)>>,
+    ) -> Result<Self, ReplayError> {
+        cfg.validate()?;
+        let policy = cfg.effective_policy();
+        let transfer = cfg.transfer.build().map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        let mut mint = IdMint::from_seed(cfg.seed);
+        let run_id = uuid::Uuid::from_u64_pair(mint.next_u64(), mint.next_u64());
+        let mut slots = Vec::new();
+        let mut workers: Vec<WorkerId> = Vec::new();
+        if cfg.is_disaggregated() {
+            workers.extend((0..cfg.prefill_workers).map(WorkerId::prefill));
+            workers.extend((0..cfg.decode_workers).map(WorkerId::decode));
+        } else {
+            workers.extend((0..cfg.workers).map(WorkerId::aggregated));
+        }
+        let mut out = RunWriter::create(out_dir)?;
+        let mut metrics = MetricsFold::new();
+        if let Some(sink) = per_request {
+            metrics = metrics.with_sink(sink);
+        }
+        let mut block_size = 0;
+        for w in &workers {
+            let core: Box<dyn EngineCore> = match cfg.backend {
+                Backend::Vllm | Backend::TrtLlm => Box::new(
+                    VllmCore::new(*w, cfg.backend, cfg.vllm.clone()).map_err(|e| ConfigError::Invalid(format!("vllm: {e}")))?,
+                ),
+                Backend::Sglang => Box::new(
+                    SglangCore::new(*w, cfg.sglang.clone()).map_err(|e| ConfigError::Invalid(format!("sglang: {e}")))?,
+                ),
+            };
+            let shape = core.shape();
+            block_size = shape.block_size;
+            let header = header(run_id, *w, &cfg, policy, shape);
+            metrics.add_stream(&header);
+            out.add_stream(header)?;
+            slots.push(Slot {
+                id: *w,
+                core,
+                busy: false,
+                pending: None,
+                inbox: VecDeque::new(),
+                generation: Generation(1),
+                sources: BTreeMap::new(),
+                destinations: BTreeMap::new(),
+                zero_steps: (u64::MAX, 0),
+            });
+        }
+        let router_header = header(run_id, WorkerId::ROUTER, &cfg, policy, EngineShape::none());
+        metrics.add_stream(&router_header);
+        out.add_stream(router_header)?;
+        let (prefill_workers, decode_workers): (Vec<WorkerId>, Vec<WorkerId>) = if cfg.is_disaggregated() {
+            workers.iter().partition(|w| w.role == Role::Prefill)
+        } else {
+            (workers.clone(), Vec::new())
+        };
+        let route_err = |e: crate::router::RouterError| ConfigError::Invalid(format!("router: {e}"));
+        let prefill_router =
+            Router::new(prefill_workers, cfg.prefill_router.clone(), block_size, mint.next_u64()).map_err(route_err)?;
+        let decode_router = if decode_workers.is_empty() {
+            None
+        } else {
+            Some(Router::new(decode_workers, cfg.decode_router.clone(), block_size, mint.next_u64()).map_err(route_err)?)
+        };
+        let mut r = Replay {
+            policy,
+            now_ns: 0,
+            seq: 0,
+            events: 0,
+            queue: BinaryHeap::new(),
+            slots,
+            prefill_router,
+            decode_router,
+            guards: BTreeMap::new(),
+            handoff_request: BTreeMap::new(),
+            transfer,
+            mint,
+            out,
+            metrics,
+            trace,
+            next_arrival: None,
+            arrivals: 0,
+            held_back: false,
+            block_size,
+            progress: None,
+            error: None,
+            cfg,
+        };
+        for s in 0..r.slots.len() {
+            let g = r.slots[s].generation;
+            r.emit(s, 0, Fact::SessionStarted { generation: g })?;
+        }
+        r.emit_router(0, Fact::SessionStarted { generation: Generation(1) })?;
+        r.next_arrival = r.trace.next_request()?;
+        if let Some(t) = &r.next_arrival {
+            let at = t.arrival_ns();
+            r.push(at, Ev::Arrival);
+        }
+        Ok(r)
+    }
+
+    pub fn with_progress(mut self, p: Progress<'a>) -> Self {
+        self.progress = Some(p);
+        self
+    }
+
+    fn push(&mut self, at_ns: u64, ev: Ev) {
+        self.seq += 1;
+        self.queue.push(Reverse(Queued { at_ns, seq: self.seq, ev }));
+    }
+
+    fn emit(&mut self, slot: usize, at_ns: u64, fact: Fact) -> Result<(), ReplayError> {
+        let worker = self.slots[slot].id;
+        if matches!(fact, Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared) {
+            self.prefill_router.observe(worker, &fact);
+            if let Some(d) = self.decode_router.as_mut() {
+                d.observe(worker, &fact);
+            }
+        }
+        let seq = self.out.append(worker, at_ns, &fact)?;
+        self.metrics.apply(worker, &Record { seq, at_ns, fact });
+        Ok(())
+    }
+
+    fn emit_router(&mut self, at_ns: u64, fact: Fact) -> Result<(), ReplayError> {
+        let seq = self.out.append(WorkerId::ROUTER, at_ns, &fact)?;
+        self.metrics.apply(WorkerId::ROUTER, &Record { seq, at_ns, fact });
+        Ok(())
+    }
+
+    fn emit_all(&mut self, slot: usize, at_ns: u64, facts: Vec<Fact>) -> Result<(), ReplayError> {
+        for f in facts {
+            self.emit(slot, at_ns, f)?;
+        }
+        Ok(())
+    }
+
+    fn fail(&mut self, e: ReplayError) {
+        if self.error.is_none() {
+            self.error = Some(e);
+        }
+    }
+
+    /// Runs to the end of the trace and until every event is handled.
+    pub fn run(mut self) -> Result<ReplayOutcome, ReplayError> {
+        while let Some(Reverse(q)) = self.queue.pop() {
+            debug_assert!(q.at_ns >= self.now_ns, "time went backwards");
+            self.now_ns = q.at_ns;
+            self.events += 1;
+            self.handle(q.ev)?;
+            if let Some(e) = self.error.take() {
+                return Err(e);
+            }
+            if self.events % 4096 == 0 {
+                if let Some(p) = self.progress.as_mut() {
+                    p(self.arrivals, self.now_ns);
+                }
+            }
+        }
+        let stuck = self.diagnose();
+        let drained = stuck.is_empty();
+        self.out.finish()?;
+        let report = self.metrics.report();
+        Ok(ReplayOutcome { report, drained, stuck, events: self.events, virtual_end_ns: self.now_ns })
+    }
+
+    fn handle(&mut self, ev: Ev) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        match ev {
+            Ev::Arrival => self.on_arrival()?,
+            Ev::StepDone(s) => {
+                self.slots[s].busy = false;
+                if let Some(effects) = self.slots[s].pending.take() {
+                    self.apply_effects(s, effects)?;
+                }
+                while let Some(cmd) = self.slots[s].inbox.pop_front() {
+                    self.execute(s, cmd)?;
+                }
+                self.kick(s)?;
+            }
+            Ev::Command { slot, cmd } => {
+                if self.slots[slot].busy {
+                    self.slots[slot].inbox.push_back(cmd);
+                } else {
+                    self.execute(slot, cmd)?;
+                    self.kick(slot)?;
+                }
+            }
+            Ev::Deliver { slot, msg } => {
+                let handoff = msg.handoff;
+                if self.slots[slot].sources.contains_key(&handoff) {
+                    self.source_event(slot, handoff, SourceEvent::Message(msg))?;
+                } else if self.slots[slot].destinations.contains_key(&handoff) {
+                    self.destination_event(slot, handoff, DestinationEvent::Message(msg))?;
+                } else {
+                    let f = msg.rejected_fact(crate::events::MessageRejection::UnknownHandoff);
+                    self.emit(slot, now, f)?;
+                }
+            }
+            Ev::TransferDone { slot, handoff } => {
+                self.destination_event(slot, handoff, DestinationEvent::ReceiveCompleted)?;
+            }
+            Ev::LeaseTimer { slot, handoff } => {
+                self.source_event(slot, handoff, SourceEvent::LeaseExpired)?;
+            }
+            Ev::ReservationTimer { slot, handoff } => {
+                self.destination_event(slot, handoff, DestinationEvent::ReservationExpired)?;
+            }
+            Ev::RenewTimer { slot, handoff } => self.on_renew(slot, handoff)?,
+            Ev::BootstrapTimer { request } => self.on_bootstrap_timeout(request)?,
+        }
+        Ok(())
+    }
+
+    // ----- arrivals and routing -----
+
+    fn on_arrival(&mut self) -> Result<(), ReplayError> {
+        if self.guards.len() >= self.cfg.max_in_flight {
+            self.held_back = true;
+            return Ok(());
+        }
+        let Some(t) = self.next_arrival.take() else { return Ok(()) };
+        let now = self.now_ns;
+        let request = t.to_request();
+        self.arrivals += 1;
+        self.next_arrival = self.trace.next_request()?;
+        if let Some(n) = &self.next_arrival {
+            let at = n.arrival_ns().max(now);
+            self.push(at, Ev::Arrival);
+        }
+        let id = request.id;
+        self.emit_router(
+            now,
+            Fact::RequestArrived { request: id, input_tokens: request.input_tokens, output_tokens: request.output_tokens },
+        )?;
+        let prompt_blocks = request.input_tokens.div_ceil(self.block_size);
+        let total_blocks = (request.input_tokens + request.output_tokens).div_ceil(self.block_size);
+        let p = self.prefill_router.select(&request).worker;
+        let booked = self
+            .prefill_router
+            .book_prefill(id, p, request.input_tokens, prompt_blocks)
+            .map_err(|e| ReplayError::Engine(e.to_string()))?;
+        self.emit_router(now, booked)?;
+        let p_slot = self.slot_of(p);
+        if self.policy == HandoffPolicy::Disabled {
+            // Aggregated: the same worker prefills and decodes.
+            let booked = self
+                .prefill_router
+                .book_decode(id, p, total_blocks)
+                .map_err(|e| ReplayError::Engine(e.to_string()))?;
+            self.emit_router(now, booked)?;
+            self.guards.insert(
+                id,
+                Guard { request: request.clone(), handoff: None, prefill: Some(p_slot), decode: Some(p_slot), activated: false },
+            );
+            self.push(now, Ev::Command { slot: p_slot, cmd: Cmd::Submit(request) });
+            return Ok(());
+        }
+        let handoff = self.mint.handoff_id();
+        self.handoff_request.insert(handoff, id);
+        let demand = KvHandoffDemand { context_tokens: request.input_tokens, max_output_tokens: request.output_tokens };
+        let mut guard =
+            Guard { request: request.clone(), handoff: Some(handoff), prefill: Some(p_slot), decode: None, activated: false };
+        let mut dest = None;
+        if self.policy == HandoffPolicy::DestinationFirst {
+            // SGLang: the decode is chosen (and booked) together with the prefill.
+            let d_slot = self.route_decode(id, &request)?;
+            guard.decode = Some(d_slot);
+            dest = Some(d_slot);
+            self.push(now + self.cfg.bootstrap_timeout_ms * NS_PER_MS, Ev::BootstrapTimer { request: id });
+        }
+        self.guards.insert(id, guard);
+        let source = SourceHandoff::new(SourceInit {
+            handoff,
+            request: id,
+            policy: self.policy,
+            demand,
+            worker: p,
+            generation: self.slots[p_slot].generation,
+            destination: dest.map(|d| self.slots[d].id),
+            destination_generation: dest.map(|d| self.slots[d].generation),
+            config: SourceConfig {
+                lease_ns: self.cfg.lease_ms * NS_PER_MS,
+                renew_ns: self.cfg.lease_ms * NS_PER_MS,
+            },
+        })
+        .map_err(|e| ReplayError::Engine(e.to_string()))?;
+        let facts = source.start_facts();
+        self.emit_all(p_slot, now, facts)?;
+        self.slots[p_slot].sources.insert(handoff, source);
+        if let Some(d_slot) = dest {
+            self.start_destination(d_slot, handoff, &request, p_slot)?;
+        }
+        self.source_event(p_slot, handoff, SourceEvent::Start)?;
+        Ok(())
+    }
+
+    /// The decode router picks and books a decode worker.
+    fn route_decode(&mut self, id: RequestId, request: &Request) -> Result<usize, ReplayError> {
+        let now = self.now_ns;
+        let total_blocks = (request.input_tokens + request.output_tokens).div_ceil(self.block_size);
+        let router = self.decode_router.as_mut().ok_or_else(|| ReplayError::Engine("no decode router".into()))?;
+        let d = router.select(request).worker;
+        let booked = router.book_decode(id, d, total_blocks).map_err(|e| ReplayError::Engine(e.to_string()))?;
+        self.emit_router(now, booked)?;
+        Ok(self.slot_of(d))
+    }
+
+    fn start_destination(&mut self, d_slot: usize, handoff: HandoffId, request: &Request, p_slot: usize) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        let d = self.slots[d_slot].id;
+        let dest = DestinationHandoff::new(DestinationInit {
+            handoff,
+            request: request.id,
+            policy: self.policy,
+            demand: KvHandoffDemand { context_tokens: request.input_tokens, max_output_tokens: request.output_tokens },
+            worker: d,
+            generation: self.slots[d_slot].generation,
+            source: Some(self.slots[p_slot].id),
+            source_generation: Some(self.slots[p_slot].generation),
+            config: DestinationConfig { reservation_timeout_ns: self.cfg.reservation_timeout_ms * NS_PER_MS },
+        })
+        .map_err(|e| ReplayError::Engine(e.to_string()))?;
+        let facts = dest.start_facts();
+        self.emit_all(d_slot, now, facts)?;
+        self.slots[d_slot].destinations.insert(handoff, dest);
+        self.destination_event(d_slot, handoff, DestinationEvent::Routed { worker: d })?;
+        if let Some(renew) = self.cfg.lease_renew_ms {
+            self.push(now + renew * NS_PER_MS, Ev::RenewTimer { slot: d_slot, handoff });
+        }
+        Ok(())
+    }
+
+    fn slot_of(&self, w: WorkerId) -> usize {
+        // Slots are laid out prefill, then decode (or aggregated only), by index.
+        match w.role {
+            Role::Decode => self.cfg.prefill_workers as usize + w.index as usize,
+            _ => w.index as usize,
+        }
+    }
+
+    // ----- workers -----
+
+    /// Starts a step on an idle worker that has work.
+    fn kick(&mut self, s: usize) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        loop {
+            if self.slots[s].busy || self.slots[s].core.is_empty() {
+                return Ok(());
+            }
+            let out = self.slots[s].core.step(now);
+            if out.duration_ns > 0 {
+                let slot = &mut self.slots[s];
+                slot.busy = true;
+                slot.pending = Some(out.effects);
+                slot.zero_steps = (u64::MAX, 0);
+                self.push(now + out.duration_ns, Ev::StepDone(s));
+                return Ok(());
+            }
+            if out.effects.facts.is_empty() && out.effects.outputs.is_empty() {
+                // Runnable work that cannot run now (e.g. waiting for blocks): idle until a
+                // command changes something.
+                return Ok(());
+            }
+            let z = &mut self.slots[s].zero_steps;
+            if z.0 == now {
+                z.1 += 1;
+                if z.1 > MAX_ZERO_STEPS {
+                    return Err(ReplayError::Engine(format!(
+                        "{} made no progress: {MAX_ZERO_STEPS} zero-length steps at t={} ms",
+                        self.slots[s].id,
+                        now as f64 / 1e6
+                    )));
+                }
+            } else {
+                *z = (now, 1);
+            }
+            self.apply_effects(s, out.effects)?;
+        }
+    }
+
+    fn execute(&mut self, s: usize, cmd: Cmd) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        let core = &mut self.slots[s].core;
+        match cmd {
+            Cmd::Submit(request) => {
+                let id = request.id;
+                let r = core.submit(request, now);
+                self.command_result(s, r, None, Some(id))
+            }
+            Cmd::DispatchPrefill { handoff, request, lease_ns } => {
+                let id = request.id;
+                let r = core.submit_handoff_prefill(handoff, request, lease_ns, now);
+                self.command_result(s, r, Some(handoff), Some(id))
+            }
+            Cmd::Reserve { handoff, request, deadline_ns } => {
+                let r = core.reserve_destination(handoff, request, deadline_ns, now);
+                self.command_result(s, r, Some(handoff), None)
+            }
+            Cmd::Activate(h) => {
+                let r = core.activate_destination(h, now);
+                self.command_result(s, r, Some(h), None)
+            }
+            Cmd::ReleaseSource(h, reason) => {
+                let r = core.release_source(h, reason, now);
+                self.command_result(s, r, Some(h), None)
+            }
+            Cmd::CancelSource(h, reason) => {
+                let r = core.cancel_source(h, reason, now);
+                self.command_result(s, r, Some(h), None)
+            }
+            Cmd::CancelDestination(h, reason) => {
+                let r = core.cancel_destination(h, reason, now);
+                self.command_result(s, r, Some(h), None)
+            }
+        }
+    }
+
+    fn command_result(
+        &mut self,
+        s: usize,
+        r: CommandResult,
+        handoff: Option<HandoffId>,
+        request: Option<RequestId>,
+    ) -> Result<(), ReplayError> {
+        self.apply_effects(s, r.effects)?;
+        match r.outcome {
+            Ok(CommandOutcome::Applied | CommandOutcome::NoOp | CommandOutcome::Unavailable) => Ok(()),
+            Err(e) => self.command_failed(s, e, handoff, request),
+        }
+    }
+
+    /// A command the core refused: the handoff (or plain request) fails with a terminal outcome
+    /// so every booking and every resource is released.
+    fn command_failed(
+        &mut self,
+        s: usize,
+        e: CommandError,
+        handoff: Option<HandoffId>,
+        request: Option<RequestId>,
+    ) -> Result<(), ReplayError> {
+        let reason = match e {
+            CommandError::Unsupported { .. } => CancelReason::Unsupported,
+            CommandError::NeverFits { .. } => CancelReason::DestinationRejected,
+            // Unknown handoffs and invalid states mean an action raced a cleanup the core
+            // already did: nothing to unwind.
+            CommandError::UnknownHandoff(_) | CommandError::InvalidState { .. } | CommandError::DuplicateHandoff(_) => {
+                tracing::debug!(worker = %self.slots[s].id, error = %e, "command refused");
+                return Ok(());
+            }
+        };
+        match handoff {
+            Some(h) if self.slots[s].sources.contains_key(&h) => {
+                self.source_event(s, h, SourceEvent::PrefillFailed { reason })?;
+                if let Some(req) = self.handoff_request.get(&h).copied() {
+                    self.terminal(req, TerminalStatus::Rejected, 0)?;
+                }
+            }
+            Some(h) if self.slots[s].destinations.contains_key(&h) => {
+                self.destination_event(s, h, DestinationEvent::ReservationFailed { reason })?;
+                if let Some(req) = self.handoff_request.get(&h).copied() {
+                    self.terminal(req, TerminalStatus::Rejected, 0)?;
+                }
+            }
+            _ => {
+                if let Some(req) = request {
+                    self.terminal(req, TerminalStatus::Rejected, 0)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn apply_effects(&mut self, s: usize, effects: Effects) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        self.emit_all(s, now, effects.facts)?;
+        for o in effects.outputs {
+            self.on_output(s, o)?;
+        }
+        Ok(())
+    }
+
+    fn on_output(&mut self, s: usize, o: EngineOutput) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        match o {
+            EngineOutput::FirstToken { request } => {
+                // Aggregated: prefill compute ends with the first token.
+                if self.policy == HandoffPolicy::Disabled {
+                    if let Some(f) = self.prefill_router.prefill_compute_done(request) {
+                        self.emit_router(now, f)?;
+                    }
+                }
+            }
+            EngineOutput::Finished { request, status, output_tokens } => {
+                if let Some(h) = self.guards.get(&request).and_then(|g| g.handoff) {
+                    if self.slots[s].destinations.contains_key(&h) {
+                        self.destination_event(s, h, DestinationEvent::RequestFinished)?;
+                    }
+                }
+                self.terminal(request, status, output_tokens)?;
+            }
+            EngineOutput::Rejected { request, .. } => {
+                self.terminal(request, TerminalStatus::Rejected, 0)?;
+            }
+            EngineOutput::SourcePinned { handoff, request, lease, blocks, deadline_ns } => {
+                if let Some(f) = self.prefill_router.prefill_compute_done(request) {
+                    self.emit_router(now, f)?;
+                }
+                // Source-first: the decode is routed once the prefill is done and pinned.
+                let needs_route = self.guards.get(&request).is_some_and(|g| g.decode.is_none());
+                if needs_route && self.policy == HandoffPolicy::SourceFirst {
+                    let req = self.guards[&request].request.clone();
+                    let d_slot = self.route_decode(request, &req)?;
+                    if let Some(g) = self.guards.get_mut(&request) {
+                        g.decode = Some(d_slot);
+                    }
+                    self.start_destination(d_slot, handoff, &req, s)?;
+                }
+                self.source_event(s, handoff, SourceEvent::PrefillPinned { lease, blocks, deadline_ns })?;
+            }
+            EngineOutput::DestinationReserved { handoff, reservation, summary } => {
+                self.destination_event(
+                    s,
+                    handoff,
+                    DestinationEvent::Reserved {
+                        reservation,
+                        prefix_tokens: summary.prefix_tokens,
+                        missing_tokens: summary.missing_tokens,
+                    },
+                )?;
+            }
+            EngineOutput::ReservationFailed { handoff, .. } => {
+                self.destination_event(
+                    s,
+                    handoff,
+                    DestinationEvent::ReservationFailed { reason: CancelReason::DestinationRejected },
+                )?;
+                if let Some(req) = self.handoff_request.get(&handoff).copied() {
+                    self.terminal(req, TerminalStatus::Rejected, 0)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    // ----- role machines -----
+
+    fn source_event(&mut self, s: usize, handoff: HandoffId, ev: SourceEvent) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        let Some(m) = self.slots[s].sources.get_mut(&handoff) else { return Ok(()) };
+        let t = match m.handle(ev, now) {
+            Ok(t) => t,
+            Err(e) => {
+                if let SourceEvent::Message(msg) = ev {
+                    let f = msg.rejected_fact(crate::events::MessageRejection::InvalidTransition);
+                    self.emit(s, now, f)?;
+                }
+                tracing::debug!(error = %e, "source event refused");
+                return Ok(());
+            }
+        };
+        let released = m.is_released();
+        let success = matches!(m.state(), crate::lifecycle::source::SourceState::Released { how: EndReason::Success });
+        self.emit_all(s, now, t.facts)?;
+        for a in t.actions {
+            match a {
+                SourceAction::DispatchPrefill { lease_ns } => {
+                    let Some(req) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get(r)) else { continue };
+                    let request = req.request.clone();
+                    self.push(now, Ev::Command { slot: s, cmd: Cmd::DispatchPrefill { handoff, request, lease_ns } });
+                }
+                SourceAction::ReleaseSource { reason, .. } => {
+                    self.push(now, Ev::Command { slot: s, cmd: Cmd::ReleaseSource(handoff, reason) });
+                    if let Some(req) = self.handoff_request.get(&handoff).copied() {
+                        if let Some(f) = self.prefill_router.free_prefill(req) {
+                            self.emit_router(now, f)?;
+                        }
+                    }
+                }
+                SourceAction::CancelPrefill { reason } => {
+                    self.push(now, Ev::Command { slot: s, cmd: Cmd::CancelSource(handoff, reason) });
+                }
+                SourceAction::Send { to, message } => {
+                    let slot = self.slot_of(to);
+                    self.push(now, Ev::Deliver { slot, msg: message });
+                }
+                SourceAction::ScheduleLeaseTimer { deadline_ns } => {
+                    self.push(deadline_ns.max(now), Ev::LeaseTimer { slot: s, handoff });
+                }
+            }
+        }
+        if released {
+            self.slots[s].sources.remove(&handoff);
+            if let Some(req) = self.handoff_request.get(&handoff).copied() {
+                if let Some(f) = self.prefill_router.free_prefill(req) {
+                    self.emit_router(now, f)?;
+                }
+                let activated = self.guards.get(&req).is_some_and(|g| g.activated);
+                if !success && !activated {
+                    self.terminal(req, TerminalStatus::Failed, 0)?;
+                }
+            }
+            self.forget_handoff(handoff);
+        }
+        Ok(())
+    }
+
+    fn destination_event(&mut self, s: usize, handoff: HandoffId, ev: DestinationEvent) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        let Some(m) = self.slots[s].destinations.get_mut(&handoff) else { return Ok(()) };
+        let t = match m.handle(ev, now) {
+            Ok(t) => t,
+            Err(e) => {
+                if let DestinationEvent::Message(msg) = ev {
+                    let f = msg.rejected_fact(crate::events::MessageRejection::InvalidTransition);
+                    self.emit(s, now, f)?;
+                }
+                tracing::debug!(error = %e, "destination event refused");
+                return Ok(());
+            }
+        };
+        let released = m.is_released();
+        self.emit_all(s, now, t.facts)?;
+        for a in t.actions {
+            match a {
+                DestinationAction::ReserveDestination => {
+                    let Some(req) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get(r)) else { continue };
+                    let request = req.request.clone();
+                    let deadline_ns = now + self.cfg.reservation_timeout_ms * NS_PER_MS;
+                    self.push(now, Ev::Command { slot: s, cmd: Cmd::Reserve { handoff, request, deadline_ns } });
+                }
+                DestinationAction::StartReceive { missing_tokens, .. } => {
+                    let at = now + self.transfer.transfer_ns(missing_tokens as u64);
+                    self.push(at, Ev::TransferDone { slot: s, handoff });
+                }
+                DestinationAction::ActivateDestination => {
+                    if let Some(req) = self.handoff_request.get(&handoff).copied() {
+                        if let Some(g) = self.guards.get_mut(&req) {
+                            g.activated = true;
+                        }
+                    }
+                    self.push(now, Ev::Command { slot: s, cmd: Cmd::Activate(handoff) });
+                }
+                DestinationAction::ReleaseDestination { reason } => {
+                    let reason = match reason {
+                        EndReason::Canceled(r) => r,
+                        EndReason::Expired | EndReason::Success => CancelReason::TransferFailed,
+                    };
+                    self.push(now, Ev::Command { slot: s, cmd: Cmd::CancelDestination(handoff, reason) });
+                }
+                DestinationAction::Send { to, message } => {
+                    let slot = self.slot_of(to);
+                    self.push(now, Ev::Deliver { slot, msg: message });
+                }
+                DestinationAction::ScheduleReservationTimer { deadline_ns } => {
+                    self.push(deadline_ns.max(now), Ev::ReservationTimer { slot: s, handoff });
+                }
+            }
+        }
+        if released {
+            self.slots[s].destinations.remove(&handoff);
+            if let Some(req) = self.handoff_request.get(&handoff).copied() {
+                let activated = self.guards.get(&req).is_some_and(|g| g.activated);
+                if !activated {
+                    self.terminal(req, TerminalStatus::Failed, 0)?;
+                }
+            }
+            self.forget_handoff(handoff);
+        }
+        Ok(())
+    }
+
+    /// Drops the frontend's correlation once neither role holds the handoff.
+    fn forget_handoff(&mut self, handoff: HandoffId) {
+        let held = self.slots.iter().any(|s| s.sources.contains_key(&handoff) || s.destinations.contains_key(&handoff));
+        if held {
+            return;
+        }
+        if let Some(req) = self.handoff_request.get(&handoff) {
+            if self.guards.contains_key(req) {
+                return; // the request still runs (activated decode)
+            }
+        }
+        self.handoff_request.remove(&handoff);
+    }
+
+    fn on_renew(&mut self, s: usize, handoff: HandoffId) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        let Some(m) = self.slots[s].destinations.get(&handoff) else { return Ok(()) };
+        if !matches!(m.state_name(), "Routed" | "Reserving" | "Reserved") {
+            return Ok(());
+        }
+        let Some(p) = self.guards.get(&self.handoff_request[&handoff]).and_then(|g| g.prefill) else { return Ok(()) };
+        let msg = HandoffMessage {
+            handoff,
+            from: self.slots[s].id,
+            generation: self.slots[s].generation,
+            body: MessageBody::LeaseRenewal,
+        };
+        let to = self.slots[p].id;
+        self.emit(s, now, Fact::MessageSent { handoff, kind: crate::events::MessageKind::LeaseRenewal, to })?;
+        self.push(now, Ev::Deliver { slot: p, msg });
+        if let Some(renew) = self.cfg.lease_renew_ms {
+            self.push(now + renew * NS_PER_MS, Ev::RenewTimer { slot: s, handoff });
+        }
+        Ok(())
+    }
+
+    /// SGLang's bootstrap timeout: a prefill still waiting for its destination fails.
+    fn on_bootstrap_timeout(&mut self, request: RequestId) -> Result<(), ReplayError> {
+        let Some(g) = self.guards.get(&request) else { return Ok(()) };
+        let (Some(h), Some(p)) = (g.handoff, g.prefill) else { return Ok(()) };
+        let waiting = self.slots[p].sources.get(&h).is_some_and(|m| m.state_name() == "NotStarted");
+        if waiting {
+            self.source_event(p, h, SourceEvent::Cancelled { reason: CancelReason::PeerLost })?;
+        }
+        Ok(())
+    }
+
+    /// The request's terminal outcome: the frontend's guard frees its bookings exactly once.
+    fn terminal(&mut self, request: RequestId, status: TerminalStatus, output_tokens: u32) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        let Some(g) = self.guards.remove(&request) else { return Ok(()) };
+        if let Some(f) = self.prefill_router.prefill_compute_done(request) {
+            self.emit_router(now, f)?;
+        }
+        // A pinned source keeps its prefill booking until it is released.
+        let source_held = g.handoff.is_some_and(|h| g.prefill.is_some_and(|p| self.slots[p].sources.contains_key(&h)));
+        if !source_held {
+            if let Some(f) = self.prefill_router.free_prefill(request) {
+                self.emit_router(now, f)?;
+            }
+        }
+        let decode_router = if self.policy == HandoffPolicy::Disabled { &mut self.prefill_router } else {
+            match self.decode_router.as_mut() {
+                Some(r) => r,
+                None => &mut self.prefill_router,
+            }
+        };
+        if let Some(f) = decode_router.free_decode(request, status) {
+            self.emit_router(now, f)?;
+        }
+        let kv = crate::events::KvDelta::ZERO;
+        self.emit_router(now, Fact::RequestFinished { request, status, output_tokens, kv })?;
+        if let Some(h) = g.handoff {
+            // Anything still held for this handoff on either role is canceled.
+            if status != TerminalStatus::Completed {
+                for s in 0..self.slots.len() {
+                    if self.slots[s].sources.contains_key(&h) {
+                        self.source_event(s, h, SourceEvent::Cancelled { reason: CancelReason::RequestAborted })?;
+                    }
+                    if self.slots[s].destinations.contains_key(&h) {
+                        self.destination_event(s, h, DestinationEvent::Cancelled { reason: CancelReason::RequestAborted })?;
+                    }
+                }
+            }
+            self.forget_handoff(h);
+        }
+        if self.held_back {
+            self.held_back = false;
+            self.push(now, Ev::Arrival);
+        }
+        Ok(())
+    }
+
+    // ----- liveness -----
+
+    fn diagnose(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for slot in &self.slots {
+            for (h, m) in &slot.sources {
+                out.push(format!(
+                    "handoff {h} ({}) source on {} stuck in {}: {}",
+                    self.handoff_request.get(h).map(|r| r.to_string()).unwrap_or_default(),
+                    slot.id,
+                    m.state_name(),
+                    match m.state_name() {
+                        "NotStarted" => "waiting for the destination's reservation",
+                        "Computing" => "waiting for the prefill to run",
+                        "Pinned" => "pinned, waiting for a destination reservation",
+                        "AwaitingReaderCompletion" => "pinned, waiting for reader completion",
+                        _ => "waiting",
+                    }
+                ));
+            }
+            for (h, m) in &slot.destinations {
+                out.push(format!(
+                    "handoff {h} ({}) destination on {} stuck in {}: {}",
+                    self.handoff_request.get(h).map(|r| r.to_string()).unwrap_or_default(),
+                    slot.id,
+                    m.state_name(),
+                    match m.state_name() {
+                        "Reserving" => "waiting in the reservation FIFO for capacity",
+                        "Reserved" => "reserved, waiting for the source's KV",
+                        "Receiving" => "waiting for the transfer to complete",
+                        "Active" => "decoding",
+                        _ => "waiting",
+                    }
+                ));
+            }
+            if !slot.core.is_drained() {
+                let v = slot.core.view();
+                let c = slot.core.snapshot();
+                out.push(format!(
+                    "{} not drained: {} waiting, {} running, {} waiting for remote KV, {} held prefills, {} pending reservations; KV {} active / {} pinned / {} reserved of {} blocks",
+                    slot.id, v.waiting, v.running, v.waiting_for_remote_kv, v.held_prefills, v.pending_reservations,
+                    c.active_blocks, c.pinned_source_blocks, c.reserved_destination_blocks, c.total_blocks
+                ));
+            }
+        }
+        for (r, g) in &self.guards {
+            out.push(format!(
+                "{r} never reached a terminal outcome (prefill {:?}, decode {:?}, handoff {:?})",
+                g.prefill.map(|p| self.slots[p].id.to_string()),
+                g.decode.map(|d| self.slots[d].id.to_string()),
+                g.handoff.map(|h| h.to_string())
+            ));
+        }
+        out
+    }
+}
+
+fn header(run_id: uuid::Uuid, worker: WorkerId, cfg: &ReplayConfig, policy: HandoffPolicy, engine: EngineShape) -> StreamHeader {
+    StreamHeader { run_id, worker, backend: cfg.backend, policy, clock: ClockDomain::Virtual, seed: cfg.seed, engine }
+}

@@ -1,0 +1,156 @@
+//! Folds over a whole run (a directory of streams or a merged file), in merge order.
+
+use crate::events::{LogError, RunReader};
+use crate::ids::{Role, WorkerId};
+use crate::projections::capacity::{CapacityViolation, KvCapacitySnapshot};
+use crate::projections::handoffs::HandoffLedger;
+use crate::projections::metrics::{MetricsFold, MetricsReport};
+use crate::projections::scheduler::{SchedulerFold, ViewViolation};
+use crate::schedulers::SchedulerView;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// A run whose facts contradict each other, located by stream and record.
+#[derive(Debug, thiserror::Error)]
+pub enum ProjectError {
+    #[error(transparent)]
+    Log(#[from] LogError),
+    #[error("{worker} record seq {seq} (t={at_ms:.3} ms): {violation}")]
+    Capacity {
+        worker: WorkerId,
+        seq: u64,
+        at_ms: f64,
+        violation: CapacityViolation,
+    },
+    #[error("{worker} record seq {seq} (t={at_ms:.3} ms): {violation}")]
+    View {
+        worker: WorkerId,
+        seq: u64,
+        at_ms: f64,
+        violation: ViewViolation,
+    },
+}
+
+/// A peak and when it was first reached.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Peak {
+    pub blocks: u64,
+    pub at_ns: u64,
+}
+
+impl Peak {
+    fn see(&mut self, blocks: u64, at_ns: u64) {
+        if blocks > self.blocks {
+            *self = Peak { blocks, at_ns };
+        }
+    }
+}
+
+/// One worker's capacity: the final snapshot and the peaks on the way.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct CapacityRow {
+    pub worker: WorkerId,
+    pub last: KvCapacitySnapshot,
+    pub peak_active: Peak,
+    pub peak_pinned_source: Peak,
+    pub peak_reserved_destination: Peak,
+    pub peak_kv_used: Peak,
+    /// Records that changed the snapshot.
+    pub transitions: u64,
+}
+
+/// Folds every engine stream's capacity; refuses a run whose deltas break conservation or
+/// overdraw a class, naming the record.
+pub fn project_capacity(run: &mut RunReader) -> Result<Vec<CapacityRow>, ProjectError> {
+    let headers = run.headers().to_vec();
+    let mut rows: Vec<Option<CapacityRow>> = headers
+        .iter()
+        .map(|h| {
+            (h.worker.role != Role::Router).then(|| CapacityRow {
+                worker: h.worker,
+                last: KvCapacitySnapshot::empty(h.engine.total_blocks as u64),
+                peak_active: Peak::default(),
+                peak_pinned_source: Peak::default(),
+                peak_reserved_destination: Peak::default(),
+                peak_kv_used: Peak::default(),
+                transitions: 0,
+            })
+        })
+        .collect();
+    while let Some((i, rec)) = run.next()? {
+        let Some(row) = rows[i].as_mut() else {
+            continue;
+        };
+        let d = rec.fact.kv_delta();
+        if d.is_zero() {
+            continue;
+        }
+        row.last
+            .apply(&d)
+            .map_err(|violation| ProjectError::Capacity {
+                worker: row.worker,
+                seq: rec.seq,
+                at_ms: rec.at_ns as f64 / 1e6,
+                violation,
+            })?;
+        row.transitions += 1;
+        let s = row.last;
+        row.peak_active.see(s.active_blocks, rec.at_ns);
+        row.peak_pinned_source
+            .see(s.pinned_source_blocks, rec.at_ns);
+        row.peak_reserved_destination
+            .see(s.reserved_destination_blocks, rec.at_ns);
+        row.peak_kv_used.see(s.kv_used_blocks(), rec.at_ns);
+    }
+    Ok(rows.into_iter().flatten().collect())
+}
+
+/// The handoff ledger of a run.
+pub fn project_handoffs(run: &mut RunReader) -> Result<HandoffLedger, ProjectError> {
+    let workers: Vec<WorkerId> = run.headers().iter().map(|h| h.worker).collect();
+    let mut ledger = HandoffLedger::new();
+    while let Some((i, rec)) = run.next()? {
+        ledger.apply(workers[i], &rec);
+    }
+    Ok(ledger)
+}
+
+/// Every engine stream's final scheduler view.
+pub fn project_scheduler(
+    run: &mut RunReader,
+) -> Result<BTreeMap<WorkerId, SchedulerView>, ProjectError> {
+    let workers: Vec<WorkerId> = run.headers().iter().map(|h| h.worker).collect();
+    let mut folds: Vec<SchedulerFold> = workers.iter().map(|_| SchedulerFold::new()).collect();
+    while let Some((i, rec)) = run.next()? {
+        if workers[i].role == Role::Router {
+            continue;
+        }
+        folds[i]
+            .apply(&rec.fact)
+            .map_err(|violation| ProjectError::View {
+                worker: workers[i],
+                seq: rec.seq,
+                at_ms: rec.at_ns as f64 / 1e6,
+                violation,
+            })?;
+    }
+    Ok(workers
+        .into_iter()
+        .zip(folds)
+        .filter(|(w, _)| w.role != Role::Router)
+        .map(|(w, f)| (w, f.view()))
+        .collect())
+}
+
+/// The serving metrics and stranding figures of a run, exactly as the replay reported them.
+pub fn project_metrics(run: &mut RunReader) -> Result<MetricsReport, ProjectError> {
+    let headers = run.headers().to_vec();
+    let mut fold = MetricsFold::new();
+    for h in &headers {
+        fold.add_stream(h);
+    }
+    while let Some((i, rec)) = run.next()? {
+        fold.apply(headers[i].worker, &rec);
+    }
+    Ok(fold.report())
+}

@@ -1,0 +1,208 @@
+//! `handoff-log project`: fold a run and print a projection.
+
+use crate::out::Out;
+use crate::CliError;
+use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
+use handoff_ledger::events::RunReader;
+use handoff_ledger::projections::run::{
+    project_capacity, project_handoffs, project_metrics, project_scheduler,
+};
+use serde_json::json;
+use std::path::Path;
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum Projection {
+    /// Physical KV per worker: active / pinned source / reserved destination / cached-free /
+    /// free blocks, slots and headroom, with peaks.
+    Capacity,
+    /// Every handoff: workers, milestones, outcome and normalized transition order.
+    Handoffs,
+    /// Every engine's queues: waiting, running, waiting for remote KV, held, pending.
+    Scheduler,
+    /// Serving metrics (TTFT, ITL, TPOT, E2E) and stranding figures, as the replay reports them.
+    Metrics,
+}
+
+fn ms(ns: u64) -> String {
+    format!("{:.3}", ns as f64 / 1e6)
+}
+
+fn opt_ms(ns: Option<u64>) -> serde_json::Value {
+    ns.map_or(serde_json::Value::Null, |v| json!(v as f64 / 1e6))
+}
+
+pub fn run(log: &Path, what: Projection, json_out: bool) -> Result<u8, CliError> {
+    let mut run = RunReader::open(log)?;
+    let mut out = Out::new();
+    match what {
+        Projection::Capacity => {
+            let rows = project_capacity(&mut run)?;
+            if json_out {
+                let workers: Vec<_> = rows
+                    .iter()
+                    .map(|r| {
+                        let s = &r.last;
+                        json!({
+                            "worker": r.worker,
+                            "active_blocks": s.active_blocks,
+                            "pinned_source_blocks": s.pinned_source_blocks,
+                            "reserved_destination_blocks": s.reserved_destination_blocks,
+                            "kv_used_blocks": s.kv_used_blocks(),
+                            "cached_free_blocks": s.cached_free_blocks,
+                            "free_blocks": s.free_blocks,
+                            "total_blocks": s.total_blocks,
+                            "request_slots_used": s.request_slots_used,
+                            "decode_headroom_tokens": s.decode_headroom_tokens,
+                            "peak_active_blocks": r.peak_active.blocks,
+                            "peak_pinned_source_blocks": r.peak_pinned_source.blocks,
+                            "peak_pinned_source_at_ms": r.peak_pinned_source.at_ns as f64 / 1e6,
+                            "peak_reserved_destination_blocks": r.peak_reserved_destination.blocks,
+                            "peak_kv_used_blocks": r.peak_kv_used.blocks,
+                            "transitions": r.transitions,
+                        })
+                    })
+                    .collect();
+                out.line(&json!({ "workers": workers }).to_string())?;
+            } else {
+                let mut t = Table::new();
+                t.load_preset(UTF8_FULL_CONDENSED);
+                t.set_header(vec![
+                    "worker",
+                    "active",
+                    "pinned",
+                    "reserved",
+                    "kv_used",
+                    "cached_free",
+                    "free",
+                    "total",
+                    "slots",
+                    "headroom_tok",
+                    "peak_pinned (at ms)",
+                    "peak_used",
+                ]);
+                for r in &rows {
+                    let s = &r.last;
+                    t.add_row(vec![
+                        r.worker.to_string(),
+                        s.active_blocks.to_string(),
+                        s.pinned_source_blocks.to_string(),
+                        s.reserved_destination_blocks.to_string(),
+                        s.kv_used_blocks().to_string(),
+                        s.cached_free_blocks.to_string(),
+                        s.free_blocks.to_string(),
+                        s.total_blocks.to_string(),
+                        s.request_slots_used.to_string(),
+                        s.decode_headroom_tokens.to_string(),
+                        format!(
+                            "{} ({})",
+                            r.peak_pinned_source.blocks,
+                            ms(r.peak_pinned_source.at_ns)
+                        ),
+                        r.peak_kv_used.blocks.to_string(),
+                    ]);
+                }
+                out.line(&t.to_string())?;
+            }
+        }
+        Projection::Handoffs => {
+            let ledger = project_handoffs(&mut run)?;
+            let end = ledger.last_at_ns();
+            if json_out {
+                let hs: Vec<_> = ledger
+                    .entries()
+                    .iter()
+                    .map(|(id, e)| {
+                        json!({
+                            "handoff": id.to_string(),
+                            "request": e.request.map(|r| r.0),
+                            "policy": e.policy.map(|p| p.as_str()),
+                            "source": e.source,
+                            "destination": e.destination,
+                            "outcome": e.outcome(),
+                            "source_held_ms": opt_ms(e.pinned_at_ns),
+                            "destination_reserved_ms": opt_ms(e.reserved_at_ns),
+                            "destination_activated_ms": opt_ms(e.activated_at_ns),
+                            "source_released_ms": opt_ms(e.source_released_at_ns),
+                            "pinned_ms": e.pinned_ns(end).map(|v| v as f64 / 1e6),
+                            "pinned_blocks": e.pinned_blocks,
+                            "reserved_pages": e.reserved_pages,
+                            "transfer_bytes": e.transfer_bytes,
+                            "normalized": e.normalized(),
+                            "transitions": e.transitions,
+                        })
+                    })
+                    .collect();
+                out.line(&json!({ "handoffs": hs }).to_string())?;
+            } else {
+                let mut t = Table::new();
+                t.load_preset(UTF8_FULL_CONDENSED);
+                t.set_header(vec![
+                    "handoff",
+                    "request",
+                    "source",
+                    "dest",
+                    "outcome",
+                    "pinned_ms",
+                    "blocks",
+                    "order",
+                ]);
+                for (id, e) in ledger.entries() {
+                    t.add_row(vec![
+                        id.to_string(),
+                        e.request.map(|r| r.to_string()).unwrap_or_default(),
+                        e.source.map(|w| w.to_string()).unwrap_or_default(),
+                        e.destination.map(|w| w.to_string()).unwrap_or_default(),
+                        format!("{:?}", e.outcome()),
+                        e.pinned_ns(end).map(ms).unwrap_or_default(),
+                        e.pinned_blocks.to_string(),
+                        e.normalized().join(" → "),
+                    ]);
+                }
+                out.line(&t.to_string())?;
+                out.line(&format!("{} handoffs", ledger.entries().len()))?;
+            }
+        }
+        Projection::Scheduler => {
+            let views = project_scheduler(&mut run)?;
+            if json_out {
+                let ws: Vec<_> = views
+                    .iter()
+                    .map(|(w, v)| json!({"worker": w, "view": v}))
+                    .collect();
+                out.line(&json!({ "workers": ws }).to_string())?;
+            } else {
+                let mut t = Table::new();
+                t.load_preset(UTF8_FULL_CONDENSED);
+                t.set_header(vec![
+                    "worker",
+                    "waiting",
+                    "running",
+                    "waiting_remote_kv",
+                    "held_prefills",
+                    "pending_reservations",
+                ]);
+                for (w, v) in &views {
+                    t.add_row(vec![
+                        w.to_string(),
+                        v.waiting.to_string(),
+                        v.running.to_string(),
+                        v.waiting_for_remote_kv.to_string(),
+                        v.held_prefills.to_string(),
+                        v.pending_reservations.to_string(),
+                    ]);
+                }
+                out.line(&t.to_string())?;
+            }
+        }
+        Projection::Metrics => {
+            let report = project_metrics(&mut run)?;
+            if json_out {
+                out.line(&serde_json::to_string_pretty(&report.to_json()).unwrap_or_default())?;
+            } else {
+                out.line(&crate::report::table(&report))?;
+            }
+        }
+    }
+    out.flush()?;
+    Ok(0)
+}

@@ -1,0 +1,227 @@
+//! `handoff-log replay`: the main job. Replays a trace through a simulated cluster, prints the
+//! report, and leaves one fact stream per worker in `--out`.
+
+use crate::out::Out;
+use crate::CliError;
+use handoff_ledger::adapters::replay::config::ReplayConfig;
+use handoff_ledger::adapters::replay::engine::Replay;
+use handoff_ledger::adapters::replay::trace::{TraceFormat, TraceOptions, TraceReader};
+use handoff_ledger::ids::{Backend, HandoffPolicy};
+use handoff_ledger::projections::PerRequest;
+use handoff_ledger::router::RouterMode;
+use std::cell::RefCell;
+use std::fs::File;
+use std::io::{BufRead, BufReader, BufWriter, IsTerminal, Write};
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::time::Instant;
+
+#[derive(clap::Args)]
+pub struct ReplayArgs {
+    /// The trace: Mooncake JSONL or Azure 2023 CSV.
+    pub trace: PathBuf,
+    /// Engine model: vllm (source-first) or sglang (destination-first).
+    #[arg(long, value_parser = parse_backend)]
+    pub backend: Option<Backend>,
+    /// Override the backend's native policy: source-first or destination-first.
+    #[arg(long, value_parser = parse_policy)]
+    pub policy: Option<HandoffPolicy>,
+    /// Prefill workers (disaggregated serving).
+    #[arg(long)]
+    pub prefill: Option<u32>,
+    /// Decode workers (disaggregated serving).
+    #[arg(long)]
+    pub decode: Option<u32>,
+    /// Aggregated workers (no handoff).
+    #[arg(long, conflicts_with_all = ["prefill", "decode"])]
+    pub workers: Option<u32>,
+    /// Routing mode for both stages: round-robin, random, kv, least-loaded, p2c, device-aware.
+    #[arg(long)]
+    pub router: Option<RouterMode>,
+    /// Routing mode for the prefill stage only.
+    #[arg(long)]
+    pub prefill_router: Option<RouterMode>,
+    /// Routing mode for the decode stage only.
+    #[arg(long)]
+    pub decode_router: Option<RouterMode>,
+    /// The run's one seed.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Arrival speedup ratio (divides trace timestamps).
+    #[arg(long)]
+    pub speedup: Option<f64>,
+    /// Trace format (default: from the extension or first line).
+    #[arg(long)]
+    pub trace_format: Option<TraceFormat>,
+    /// JSON configuration file; flags override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Directory for the run's fact streams (one `.hlog` per worker plus `router.hlog`).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Replace the streams of an earlier run in `--out`.
+    #[arg(long)]
+    pub force: bool,
+    /// Write the report as JSON (the reference mocker's key names).
+    #[arg(long)]
+    pub report_json: Option<PathBuf>,
+    /// Write one JSON line per request.
+    #[arg(long)]
+    pub per_request: Option<PathBuf>,
+    /// Print the report as JSON on stdout instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_backend(s: &str) -> Result<Backend, String> {
+    match s {
+        "vllm" => Ok(Backend::Vllm),
+        "sglang" => Ok(Backend::Sglang),
+        "trtllm" => Ok(Backend::TrtLlm),
+        o => Err(format!("unknown backend `{o}` (vllm, sglang, trtllm)")),
+    }
+}
+
+fn parse_policy(s: &str) -> Result<HandoffPolicy, String> {
+    match s {
+        "source-first" => Ok(HandoffPolicy::SourceFirst),
+        "destination-first" => Ok(HandoffPolicy::DestinationFirst),
+        "disabled" => Ok(HandoffPolicy::Disabled),
+        o => Err(format!("unknown policy `{o}` (source-first, destination-first, disabled)")),
+    }
+}
+
+pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
+    let mut cfg = match &a.config {
+        Some(p) => ReplayConfig::from_file(p)?,
+        None => ReplayConfig::default(),
+    };
+    if let Some(b) = a.backend {
+        cfg.backend = b;
+    }
+    if a.policy.is_some() {
+        cfg.policy = a.policy;
+    }
+    if let Some(n) = a.workers {
+        cfg.workers = n;
+        cfg.prefill_workers = 0;
+        cfg.decode_workers = 0;
+    }
+    if let Some(n) = a.prefill {
+        cfg.prefill_workers = n;
+    }
+    if let Some(n) = a.decode {
+        cfg.decode_workers = n;
+    }
+    if let Some(m) = &a.router {
+        cfg.prefill_router = m.clone();
+        cfg.decode_router = m.clone();
+    }
+    if let Some(m) = &a.prefill_router {
+        cfg.prefill_router = m.clone();
+    }
+    if let Some(m) = &a.decode_router {
+        cfg.decode_router = m.clone();
+    }
+    if let Some(s) = a.seed {
+        cfg.seed = s;
+    }
+    if let Some(s) = a.speedup {
+        cfg.arrival_speedup = s;
+    }
+    cfg.validate()?;
+    if a.force && a.out.is_dir() {
+        for entry in std::fs::read_dir(&a.out)? {
+            let p = entry?.path();
+            if p.extension().and_then(|e| e.to_str()) == Some("hlog") {
+                std::fs::remove_file(&p)?;
+            }
+        }
+    }
+    let opts = TraceOptions { format: a.trace_format, speedup: cfg.arrival_speedup };
+    let file = File::open(&a.trace).map_err(|e| CliError::new(2, format!("{}: {e}", a.trace.display())))?;
+    let reader: Box<dyn BufRead> = Box::new(BufReader::with_capacity(1 << 20, file));
+    let trace = TraceReader::new(reader, &a.trace, opts)?;
+
+    // Per-request lines stream out as requests end; a write error is kept and reported.
+    let sink_err: Rc<RefCell<Option<std::io::Error>>> = Rc::new(RefCell::new(None));
+    let per_request: Option<Box<dyn FnMut(&PerRequest)>> = match &a.per_request {
+        Some(p) => {
+            let f = File::create(p).map_err(|e| CliError::new(2, format!("{}: {e}", p.display())))?;
+            let mut w = BufWriter::new(f);
+            let err = sink_err.clone();
+            Some(Box::new(move |r: &PerRequest| {
+                if err.borrow().is_some() {
+                    return;
+                }
+                let line = serde_json::to_string(r).unwrap_or_default();
+                if let Err(e) = w.write_all(line.as_bytes()).and_then(|_| w.write_all(b"\n")).and_then(|_| w.flush()) {
+                    *err.borrow_mut() = Some(e);
+                }
+            }))
+        }
+        None => None,
+    };
+
+    let bar = if std::io::stderr().is_terminal() {
+        let b = indicatif::ProgressBar::new_spinner();
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{spinner} {elapsed} {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+        );
+        Some(b)
+    } else {
+        None
+    };
+    let mut progress = |arrived: u64, now_ns: u64| {
+        if let Some(b) = &bar {
+            b.set_message(format!("{arrived} requests arrived, t = {:.1} s (virtual)", now_ns as f64 / 1e9));
+            b.tick();
+        }
+    };
+    let started = Instant::now();
+    let replay = Replay::new(cfg, trace, &a.out, per_request)?.with_progress(&mut progress);
+    let outcome = replay.run()?;
+    let wall_ms = started.elapsed().as_secs_f64() * 1e3;
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    if let Some(e) = sink_err.borrow_mut().take() {
+        return Err(CliError::new(2, format!("writing per-request lines: {e}")));
+    }
+    let mut json = outcome.report.to_json();
+    if let Some(m) = json.as_object_mut() {
+        m.insert("wall_time_ms".into(), wall_ms.into());
+        m.insert("drained".into(), outcome.drained.into());
+        m.insert("events".into(), outcome.events.into());
+        m.insert("log_dir".into(), a.out.display().to_string().into());
+    }
+    if let Some(p) = &a.report_json {
+        let text = serde_json::to_string_pretty(&json).unwrap_or_default();
+        std::fs::write(p, text + "\n").map_err(|e| CliError::new(2, format!("{}: {e}", p.display())))?;
+    }
+    let mut out = Out::new();
+    if a.json {
+        out.line(&serde_json::to_string_pretty(&json).unwrap_or_default())?;
+    } else {
+        out.line(&crate::report::table(&outcome.report))?;
+        out.line(&format!(
+            "wall time {:.0} ms for {} events; logs in {}",
+            wall_ms,
+            outcome.events,
+            a.out.display()
+        ))?;
+    }
+    out.flush()?;
+    if !outcome.drained {
+        eprintln!("handoff-log: the run did not drain; {} things are stuck:", outcome.stuck.len());
+        for s in outcome.stuck.iter().take(50) {
+            eprintln!("  {s}");
+        }
+        if outcome.stuck.len() > 50 {
+            eprintln!("  ... and {} more", outcome.stuck.len() - 50);
+        }
+        return Ok(1);
+    }
+    Ok(0)
+}

@@ -1,0 +1,66 @@
+//! `handoff-log verify`: framing, checksums, sequence numbers, run ids.
+
+use crate::out::Out;
+use crate::CliError;
+use handoff_ledger::events::verify_run;
+use serde_json::json;
+use std::path::PathBuf;
+
+pub fn run(logs: &[PathBuf], json_out: bool) -> Result<u8, CliError> {
+    let mut out = Out::new();
+    let mut worst = 0u8;
+    for path in logs {
+        match verify_run(path) {
+            Ok(s) => {
+                let torn: Vec<_> = s
+                    .torn_tails
+                    .iter()
+                    .map(|(p, t)| json!({"file": p.display().to_string(), "offset": t.offset, "bytes": t.bytes}))
+                    .collect();
+                if json_out {
+                    let streams: Vec<_> = s
+                        .streams
+                        .iter()
+                        .map(|st| json!({"worker": st.header.worker, "records": st.records}))
+                        .collect();
+                    out.line(
+                        &json!({"log": path.display().to_string(), "ok": true, "records": s.records,
+                                "handoffs": s.handoffs, "streams": streams, "torn_tails": torn})
+                        .to_string(),
+                    )?;
+                } else {
+                    out.line(&format!(
+                        "{}: ok: {} streams, {} records, {} handoffs",
+                        path.display(),
+                        s.streams.len(),
+                        s.records,
+                        s.handoffs
+                    ))?;
+                    for (p, t) in &s.torn_tails {
+                        out.line(&format!(
+                            "{}: torn tail at byte offset {} ({} bytes of a partial last record); the records before it are sound and opening for append truncates it",
+                            p.display(),
+                            t.offset,
+                            t.bytes
+                        ))?;
+                    }
+                }
+            }
+            Err(e) => {
+                worst = 1;
+                if json_out {
+                    out.line(
+                        &json!({"log": path.display().to_string(), "ok": false, "error": e.to_string(),
+                                "file": e.path().display().to_string(), "offset": e.offset()})
+                        .to_string(),
+                    )?;
+                } else {
+                    out.flush()?;
+                    eprintln!("handoff-log: {e}");
+                }
+            }
+        }
+    }
+    out.flush()?;
+    Ok(worst)
+}
