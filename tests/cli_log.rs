@@ -483,3 +483,76 @@ fn every_command_has_help() {
             .stdout(predicate::str::contains("Usage"));
     }
 }
+
+#[test]
+fn a_merged_file_reads_exactly_like_its_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    write_scenario(dir.path());
+    let merged = dir.path().join("run.hrun");
+    cli()
+        .arg("merge")
+        .arg(dir.path())
+        .arg(&merged)
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("22 records"));
+    let a = cli()
+        .arg("show")
+        .arg(dir.path())
+        .arg("--json")
+        .output()
+        .unwrap();
+    let b = cli()
+        .arg("show")
+        .arg(&merged)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(a.status.success() && b.status.success());
+    assert_eq!(a.stdout, b.stdout);
+    let pa = cli()
+        .arg("project")
+        .arg(dir.path())
+        .args(["capacity", "--json"])
+        .output()
+        .unwrap();
+    let pb = cli()
+        .arg("project")
+        .arg(&merged)
+        .args(["capacity", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(pa.stdout, pb.stdout);
+}
+
+#[test]
+fn recover_truncates_only_the_torn_tail() {
+    let dir = tempfile::tempdir().unwrap();
+    write_scenario(dir.path());
+    let path = dir.path().join("prefill-0.hlog");
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(len - 5)
+        .unwrap();
+    cli()
+        .arg("recover")
+        .arg(dir.path())
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("truncated"));
+    cli()
+        .arg("verify")
+        .arg(dir.path())
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("21 records").and(predicate::str::contains("torn").not()));
+    cli()
+        .arg("recover")
+        .arg(dir.path())
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("nothing written"));
+}

@@ -64,3 +64,45 @@ pub fn run(logs: &[PathBuf], json_out: bool) -> Result<u8, CliError> {
     out.flush()?;
     Ok(worst)
 }
+
+/// `handoff-log merge RUN OUT`.
+pub fn merge(run: &std::path::Path, out_path: &std::path::Path) -> Result<u8, CliError> {
+    let s = handoff_ledger::events::write_merged(run, out_path)?;
+    let mut out = Out::new();
+    out.line(&format!(
+        "{}: {} streams, {} records, {} bytes",
+        out_path.display(),
+        s.streams,
+        s.records,
+        s.bytes
+    ))?;
+    for (p, t) in &s.torn_tails {
+        out.line(&format!(
+            "{}: torn tail at byte offset {} left out ({} bytes)",
+            p.display(),
+            t.offset,
+            t.bytes
+        ))?;
+    }
+    out.flush()?;
+    Ok(0)
+}
+
+/// `handoff-log recover RUN`.
+pub fn recover(run: &std::path::Path) -> Result<u8, CliError> {
+    let cut = handoff_ledger::events::recover_run(run)?;
+    let mut out = Out::new();
+    if cut.is_empty() {
+        out.line(&format!("{}: no torn tail; nothing written", run.display()))?;
+    }
+    for (p, t) in &cut {
+        out.line(&format!(
+            "{}: truncated {} bytes of a torn record at byte offset {}",
+            p.display(),
+            t.bytes,
+            t.offset
+        ))?;
+    }
+    out.flush()?;
+    Ok(0)
+}

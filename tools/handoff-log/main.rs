@@ -51,6 +51,19 @@ enum Command {
     },
     /// Replay a trace through a simulated disaggregated (or aggregated) cluster; print the
     /// serving report and write one fact stream per worker to `--out`.
+    /// Write a run directory as one merged file (records in merge order).
+    Merge {
+        /// A run directory (or any run).
+        run: PathBuf,
+        /// The merged file to write (conventionally `*.hrun`).
+        out: PathBuf,
+    },
+    /// Truncate the torn tail of every stream of a run (the only repair there is: anything
+    /// else damaged is an error naming the file and byte offset, and nothing is written).
+    Recover {
+        /// A run directory or stream file.
+        run: PathBuf,
+    },
     /// Fold a run and print a projection.
     Project {
         /// A run directory, stream file or merged run file.
@@ -97,6 +110,8 @@ fn main() -> ExitCode {
             json,
         } => cmd_show::run(&log, handoff.as_deref(), worker.as_deref(), limit, json),
         Command::Project { log, what, json } => cmd_project::run(&log, what, json),
+        Command::Merge { run, out } => cmd_verify::merge(&run, &out),
+        Command::Recover { run } => cmd_verify::recover(&run),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -21,7 +21,7 @@
 
 use crate::adapters::replay::config::{ConfigError, ReplayConfig};
 use crate::adapters::replay::trace::{TraceError, TraceReader, TraceRequest};
-use crate::adapters::replay::transfer::TransferModel;
+use crate::adapters::replay::transfer::{TransferConfig, TransferModel};
 use crate::events::{EngineShape, Fact, LogError, Record, RunWriter, StreamHeader, TerminalStatus};
 use crate::ids::{
     Backend, CancelReason, ClockDomain, EndReason, Generation, HandoffId, HandoffPolicy, IdMint,
@@ -67,7 +67,7 @@ enum Cmd {
     Activate(HandoffId),
     ReleaseSource(HandoffId, EndReason),
     CancelSource(HandoffId, CancelReason),
-    CancelDestination(HandoffId, CancelReason),
+    CancelDestination(HandoffId, EndReason),
 }
 
 #[derive(Clone, Debug)]
@@ -126,6 +126,9 @@ struct Guard {
     prefill: Option<usize>,
     decode: Option<usize>,
     activated: bool,
+    /// The outcome to report if the handoff ends without activation (set before the role
+    /// machine is told why, so a refusal reads as `rejected`, not `failed`).
+    fail_status: Option<TerminalStatus>,
 }
 
 /// What a finished replay hands back.
@@ -154,7 +157,7 @@ pub struct Replay<'a> {
     decode_router: Option<Router>,
     guards: BTreeMap<RequestId, Guard>,
     handoff_request: BTreeMap<HandoffId, RequestId>,
-    transfer: Box<dyn TransferModel>,
+    transfer: TransferConfig,
     mint: IdMint,
     out: RunWriter,
     metrics: MetricsFold,
@@ -177,7 +180,8 @@ impl<'a> Replay<'a> {
     ) -> Result<Self, ReplayError> {
         cfg.validate()?;
         let policy = cfg.effective_policy();
-        let transfer = cfg.transfer.build().map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        cfg.transfer.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        let transfer = cfg.transfer.clone();
         let mut mint = IdMint::from_seed(cfg.seed);
         let run_id = uuid::Uuid::from_u64_pair(mint.next_u64(), mint.next_u64());
         let mut slots = Vec::new();
@@ -188,7 +192,7 @@ impl<'a> Replay<'a> {
         } else {
             workers.extend((0..cfg.workers).map(WorkerId::aggregated));
         }
-        let mut out = RunWriter::create(out_dir)?;
+        let mut headers = Vec::new();
         let mut metrics = MetricsFold::new();
         if let Some(sink) = per_request {
             metrics = metrics.with_sink(sink);
@@ -207,7 +211,7 @@ impl<'a> Replay<'a> {
             block_size = shape.block_size;
             let header = header(run_id, *w, &cfg, policy, shape);
             metrics.add_stream(&header);
-            out.add_stream(header)?;
+            headers.push(header);
             slots.push(Slot {
                 id: *w,
                 core,
@@ -222,7 +226,8 @@ impl<'a> Replay<'a> {
         }
         let router_header = header(run_id, WorkerId::ROUTER, &cfg, policy, EngineShape::none());
         metrics.add_stream(&router_header);
-        out.add_stream(router_header)?;
+        headers.push(router_header);
+        let out = RunWriter::create(out_dir, headers)?;
         let (prefill_workers, decode_workers): (Vec<WorkerId>, Vec<WorkerId>) = if cfg.is_disaggregated() {
             workers.iter().partition(|w| w.role == Role::Prefill)
         } else {
@@ -425,7 +430,7 @@ impl<'a> Replay<'a> {
             self.emit_router(now, booked)?;
             self.guards.insert(
                 id,
-                Guard { request: request.clone(), handoff: None, prefill: Some(p_slot), decode: Some(p_slot), activated: false },
+                Guard { request: request.clone(), handoff: None, prefill: Some(p_slot), decode: Some(p_slot), activated: false, fail_status: None },
             );
             self.push(now, Ev::Command { slot: p_slot, cmd: Cmd::Submit(request) });
             return Ok(());
@@ -434,7 +439,7 @@ impl<'a> Replay<'a> {
         self.handoff_request.insert(handoff, id);
         let demand = KvHandoffDemand { context_tokens: request.input_tokens, max_output_tokens: request.output_tokens };
         let mut guard =
-            Guard { request: request.clone(), handoff: Some(handoff), prefill: Some(p_slot), decode: None, activated: false };
+            Guard { request: request.clone(), handoff: Some(handoff), prefill: Some(p_slot), decode: None, activated: false, fail_status: None };
         let mut dest = None;
         if self.policy == HandoffPolicy::DestinationFirst {
             // SGLang: the decode is chosen (and booked) together with the prefill.
@@ -492,7 +497,10 @@ impl<'a> Replay<'a> {
             generation: self.slots[d_slot].generation,
             source: Some(self.slots[p_slot].id),
             source_generation: Some(self.slots[p_slot].generation),
-            config: DestinationConfig { reservation_timeout_ns: self.cfg.reservation_timeout_ms * NS_PER_MS },
+            config: DestinationConfig {
+                reservation_ns: self.cfg.reservation_timeout_ms * NS_PER_MS,
+                kv_bytes_per_token: self.cfg.transfer.kv_bytes_per_token(),
+            },
         })
         .map_err(|e| ReplayError::Engine(e.to_string()))?;
         let facts = dest.start_facts();
@@ -623,24 +631,23 @@ impl<'a> Replay<'a> {
                 return Ok(());
             }
         };
+        if let Some(req) = request.or_else(|| handoff.and_then(|h| self.handoff_request.get(&h).copied())) {
+            if let Some(g) = self.guards.get_mut(&req) {
+                g.fail_status = Some(TerminalStatus::Rejected);
+            }
+        }
         match handoff {
             Some(h) if self.slots[s].sources.contains_key(&h) => {
                 self.source_event(s, h, SourceEvent::PrefillFailed { reason })?;
-                if let Some(req) = self.handoff_request.get(&h).copied() {
-                    self.terminal(req, TerminalStatus::Rejected, 0)?;
-                }
             }
             Some(h) if self.slots[s].destinations.contains_key(&h) => {
                 self.destination_event(s, h, DestinationEvent::ReservationFailed { reason })?;
-                if let Some(req) = self.handoff_request.get(&h).copied() {
-                    self.terminal(req, TerminalStatus::Rejected, 0)?;
-                }
             }
-            _ => {
-                if let Some(req) = request {
-                    self.terminal(req, TerminalStatus::Rejected, 0)?;
-                }
-            }
+            _ => {}
+        }
+        // Whatever the machines did, the request ends now (a no-op if they already ended it).
+        if let Some(req) = request.or_else(|| handoff.and_then(|h| self.handoff_request.get(&h).copied())) {
+            self.terminal(req, TerminalStatus::Rejected, 0)?;
         }
         Ok(())
     }
@@ -704,6 +711,9 @@ impl<'a> Replay<'a> {
                 )?;
             }
             EngineOutput::ReservationFailed { handoff, .. } => {
+                if let Some(g) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get_mut(r)) {
+                    g.fail_status = Some(TerminalStatus::Rejected);
+                }
                 self.destination_event(
                     s,
                     handoff,
@@ -769,9 +779,8 @@ impl<'a> Replay<'a> {
                 if let Some(f) = self.prefill_router.free_prefill(req) {
                     self.emit_router(now, f)?;
                 }
-                let activated = self.guards.get(&req).is_some_and(|g| g.activated);
-                if !success && !activated {
-                    self.terminal(req, TerminalStatus::Failed, 0)?;
+                if !success {
+                    self.fail_unless_activated(req)?;
                 }
             }
             self.forget_handoff(handoff);
@@ -797,17 +806,16 @@ impl<'a> Replay<'a> {
         self.emit_all(s, now, t.facts)?;
         for a in t.actions {
             match a {
-                DestinationAction::ReserveDestination => {
+                DestinationAction::ReserveDestination { deadline_ns } => {
                     let Some(req) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get(r)) else { continue };
                     let request = req.request.clone();
-                    let deadline_ns = now + self.cfg.reservation_timeout_ms * NS_PER_MS;
                     self.push(now, Ev::Command { slot: s, cmd: Cmd::Reserve { handoff, request, deadline_ns } });
                 }
                 DestinationAction::StartReceive { missing_tokens, .. } => {
                     let at = now + self.transfer.transfer_ns(missing_tokens as u64);
                     self.push(at, Ev::TransferDone { slot: s, handoff });
                 }
-                DestinationAction::ActivateDestination => {
+                DestinationAction::ActivateDestination { .. } => {
                     if let Some(req) = self.handoff_request.get(&handoff).copied() {
                         if let Some(g) = self.guards.get_mut(&req) {
                             g.activated = true;
@@ -815,12 +823,11 @@ impl<'a> Replay<'a> {
                     }
                     self.push(now, Ev::Command { slot: s, cmd: Cmd::Activate(handoff) });
                 }
-                DestinationAction::ReleaseDestination { reason } => {
-                    let reason = match reason {
-                        EndReason::Canceled(r) => r,
-                        EndReason::Expired | EndReason::Success => CancelReason::TransferFailed,
-                    };
+                DestinationAction::ReleaseDestination { reason, .. } => {
                     self.push(now, Ev::Command { slot: s, cmd: Cmd::CancelDestination(handoff, reason) });
+                }
+                DestinationAction::AbortRequest { reason } => {
+                    self.push(now, Ev::Command { slot: s, cmd: Cmd::CancelDestination(handoff, EndReason::Canceled(reason)) });
                 }
                 DestinationAction::Send { to, message } => {
                     let slot = self.slot_of(to);
@@ -834,14 +841,22 @@ impl<'a> Replay<'a> {
         if released {
             self.slots[s].destinations.remove(&handoff);
             if let Some(req) = self.handoff_request.get(&handoff).copied() {
-                let activated = self.guards.get(&req).is_some_and(|g| g.activated);
-                if !activated {
-                    self.terminal(req, TerminalStatus::Failed, 0)?;
-                }
+                self.fail_unless_activated(req)?;
             }
             self.forget_handoff(handoff);
         }
         Ok(())
+    }
+
+    /// A role ended its part of the handoff without success: unless decode already runs, the
+    /// request ends (rejected if a core refused it, failed otherwise).
+    fn fail_unless_activated(&mut self, req: RequestId) -> Result<(), ReplayError> {
+        let Some(g) = self.guards.get(&req) else { return Ok(()) };
+        if g.activated {
+            return Ok(());
+        }
+        let status = g.fail_status.unwrap_or(TerminalStatus::Failed);
+        self.terminal(req, status, 0)
     }
 
     /// Drops the frontend's correlation once neither role holds the handoff.
@@ -858,22 +873,14 @@ impl<'a> Replay<'a> {
         self.handoff_request.remove(&handoff);
     }
 
+    /// The destination's heartbeat: while it still waits to read, it renews the source lease.
     fn on_renew(&mut self, s: usize, handoff: HandoffId) -> Result<(), ReplayError> {
         let now = self.now_ns;
         let Some(m) = self.slots[s].destinations.get(&handoff) else { return Ok(()) };
-        if !matches!(m.state_name(), "Routed" | "Reserving" | "Reserved") {
+        if !matches!(m.state_name(), "NotRouted" | "Reserving" | "Reserved") {
             return Ok(());
         }
-        let Some(p) = self.guards.get(&self.handoff_request[&handoff]).and_then(|g| g.prefill) else { return Ok(()) };
-        let msg = HandoffMessage {
-            handoff,
-            from: self.slots[s].id,
-            generation: self.slots[s].generation,
-            body: MessageBody::LeaseRenewal,
-        };
-        let to = self.slots[p].id;
-        self.emit(s, now, Fact::MessageSent { handoff, kind: crate::events::MessageKind::LeaseRenewal, to })?;
-        self.push(now, Ev::Deliver { slot: p, msg });
+        self.destination_event(s, handoff, DestinationEvent::RenewLease)?;
         if let Some(renew) = self.cfg.lease_renew_ms {
             self.push(now + renew * NS_PER_MS, Ev::RenewTimer { slot: s, handoff });
         }
