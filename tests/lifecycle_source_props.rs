@@ -59,7 +59,7 @@ enum Op {
 
 fn body_strategy() -> impl Strategy<Value = Body> {
     prop_oneof![
-        4 => Just(Body::Reserved),
+        8 => Just(Body::Reserved),
         2 => Just(Body::ReceiveDone),
         2 => Just(Body::ReaderDone),
         1 => (0..REASONS.len()).prop_map(|i| Body::Abort(REASONS[i])),
@@ -68,14 +68,14 @@ fn body_strategy() -> impl Strategy<Value = Body> {
 }
 
 fn op_strategy() -> impl Strategy<Value = Op> {
-    let gen = prop_oneof![20 => Just(Gen::Current), 2 => Just(Gen::Stale), 1 => Just(Gen::Newer)];
+    let gen = prop_oneof![40 => Just(Gen::Current), 4 => Just(Gen::Stale), 1 => Just(Gen::Newer)];
     prop_oneof![
-        3 => Just(Op::Start),
+        6 => Just(Op::Start),
         3 => (0..2 * LEASE_NS).prop_map(Op::Advance),
-        5 => Just(Op::CorePins),
-        5 => Just(Op::DeliverPin),
+        8 => Just(Op::CorePins),
+        8 => Just(Op::DeliverPin),
         1 => (0..REASONS.len()).prop_map(|i| Op::CoreFails(REASONS[i])),
-        2 => Just(Op::LeaseTimer),
+        5 => Just(Op::LeaseTimer),
         1 => (0..REASONS.len()).prop_map(|i| Op::Cancel(REASONS[i])),
         14 => (gen, body_strategy()).prop_map(|(g, b)| Op::Msg(g, b)),
         1 => body_strategy().prop_map(Op::Foreign),
