@@ -6,11 +6,13 @@
 mod lifecycle_common;
 
 use handoff_ledger::events::{Fact, MessageRejection};
-use handoff_ledger::ids::{CancelReason, EndReason, Generation, HandoffId, HandoffPolicy, SourceLeaseId};
+use handoff_ledger::ids::{
+    CancelReason, EndReason, Generation, HandoffId, HandoffPolicy, SourceLeaseId,
+};
+use handoff_ledger::ids::{DestinationReservationId, WorkerId};
 use handoff_ledger::lifecycle::{
     HandoffMessage, MessageBody, SourceAction, SourceEvent, SourceHandoff, SourceState,
 };
-use handoff_ledger::ids::{DestinationReservationId, WorkerId};
 use lifecycle_common::*;
 use proptest::prelude::*;
 
@@ -139,7 +141,11 @@ fn gen_of(g: Gen) -> Generation {
 
 impl World {
     fn pin_event(&self) -> SourceEvent {
-        SourceEvent::PrefillPinned { lease: LEASE, blocks: 256, deadline_ns: self.now + LEASE_NS }
+        SourceEvent::PrefillPinned {
+            lease: LEASE,
+            blocks: 256,
+            deadline_ns: self.now + LEASE_NS,
+        }
     }
 
     /// Deliver one event and check every per-step rule.
@@ -163,11 +169,22 @@ impl World {
                 prop_assert!(t.actions.is_empty() && t.facts.is_empty());
                 prop_assert_eq!(&before, &*m);
             } else {
-                prop_assert_eq!(m.state(), &SourceState::Released { how: EndReason::Expired });
+                prop_assert_eq!(
+                    m.state(),
+                    &SourceState::Released {
+                        how: EndReason::Expired
+                    }
+                );
             }
         }
         // A renewal moves the deadline to at least now + renew_ns, never earlier.
-        if let SourceEvent::Message(msg @ HandoffMessage { body: MessageBody::LeaseRenewal, .. }) = ev {
+        if let SourceEvent::Message(
+            msg @ HandoffMessage {
+                body: MessageBody::LeaseRenewal,
+                ..
+            },
+        ) = ev
+        {
             let applied = t.facts.contains(&msg.received_fact());
             if let Some(old) = before.deadline_ns() {
                 if before.peer_generation() == Some(msg.generation) && old < self.now + RENEW_NS {
@@ -182,7 +199,10 @@ impl World {
         if let SourceEvent::Message(msg) = ev {
             if let (Some(g), Some(p)) = (before.peer_generation(), before.peer()) {
                 if msg.generation < g && msg.from == p && !before.is_released() {
-                    prop_assert_eq!(&t.facts, &vec![msg.rejected_fact(MessageRejection::StaleGeneration)]);
+                    prop_assert_eq!(
+                        &t.facts,
+                        &vec![msg.rejected_fact(MessageRejection::StaleGeneration)]
+                    );
                     prop_assert!(t.actions.is_empty());
                     prop_assert_eq!(&before, &*m);
                 }
@@ -204,7 +224,10 @@ impl World {
                 SourceAction::CancelPrefill { .. } => {
                     self.cancel_prefills += 1;
                     prop_assert!(self.dispatch_open, "CancelPrefill without an open dispatch");
-                    prop_assert!(!self.lease_acked, "CancelPrefill for a pin the machine holds");
+                    prop_assert!(
+                        !self.lease_acked,
+                        "CancelPrefill for a pin the machine holds"
+                    );
                     self.dispatch_open = false;
                     if self.core == Core::Computing {
                         self.core = Core::Canceled;
@@ -226,7 +249,11 @@ impl World {
                 }
             }
         }
-        let sends = t.actions.iter().filter(|a| matches!(a, SourceAction::Send { .. })).count();
+        let sends = t
+            .actions
+            .iter()
+            .filter(|a| matches!(a, SourceAction::Send { .. }))
+            .count();
         prop_assert_eq!(sends, count(&t.facts, "MessageSent"));
         if let SourceEvent::PrefillFailed { .. } = ev {
             if before.state() == &SourceState::Computing {
@@ -246,7 +273,11 @@ impl World {
         }
         if m.is_released() {
             prop_assert!(!self.dispatch_open, "released with a dispatch still open");
-            prop_assert_eq!(self.lease_releases, u32::from(self.lease_acked), "released without ending its pin");
+            prop_assert_eq!(
+                self.lease_releases,
+                u32::from(self.lease_acked),
+                "released without ending its pin"
+            );
         }
         // Messages that are not applied change nothing and do nothing.
         for f in &t.facts {
@@ -266,7 +297,9 @@ impl World {
                     if *generation > g && !before.is_released() {
                         prop_assert_eq!(
                             m.state(),
-                            &SourceState::Released { how: EndReason::Canceled(CancelReason::PeerLost) }
+                            &SourceState::Released {
+                                how: EndReason::Canceled(CancelReason::PeerLost)
+                            }
                         );
                     }
                 }
@@ -277,10 +310,20 @@ impl World {
     }
 }
 
-fn run(policy: HandoffPolicy, known_dest: bool, known_gen: bool, ops: Vec<Op>) -> Result<(), TestCaseError> {
+fn run(
+    policy: HandoffPolicy,
+    known_dest: bool,
+    known_gen: bool,
+    ops: Vec<Op>,
+) -> Result<(), TestCaseError> {
     let id = handoff_id(11);
     let dest = dest_worker();
-    let mut m = source(id, policy, known_dest.then_some(dest), known_gen.then_some(Generation(1)));
+    let mut m = source(
+        id,
+        policy,
+        known_dest.then_some(dest),
+        known_gen.then_some(Generation(1)),
+    );
     let mut w = World {
         id,
         now: 1_000,
@@ -318,7 +361,12 @@ fn run(policy: HandoffPolicy, known_dest: bool, known_gen: bool, ops: Vec<Op>) -
             Op::LeaseTimer => w.deliver(&mut m, SourceEvent::LeaseExpired)?,
             Op::Cancel(r) => w.deliver(&mut m, SourceEvent::Cancelled { reason: r })?,
             Op::Msg(g, b) => {
-                let msg = HandoffMessage { handoff: id, from: dest, generation: gen_of(g), body: body(b, dest) };
+                let msg = HandoffMessage {
+                    handoff: id,
+                    from: dest,
+                    generation: gen_of(g),
+                    body: body(b, dest),
+                };
                 w.last_msg = Some(msg);
                 w.deliver(&mut m, SourceEvent::Message(msg))?;
             }
@@ -327,9 +375,17 @@ fn run(policy: HandoffPolicy, known_dest: bool, known_gen: bool, ops: Vec<Op>) -
                 // that, the first destination to speak is learned; the run keeps the canonical one.)
                 if m.peer().is_some() {
                     let other = WorkerId::decode(9);
-                    let msg = HandoffMessage { handoff: id, from: other, generation: Generation(1), body: body(b, other) };
+                    let msg = HandoffMessage {
+                        handoff: id,
+                        from: other,
+                        generation: Generation(1),
+                        body: body(b, other),
+                    };
                     let before = m.clone();
-                    prop_assert!(m.handle(SourceEvent::Message(msg), w.now).is_err(), "foreign message accepted");
+                    prop_assert!(
+                        m.handle(SourceEvent::Message(msg), w.now).is_err(),
+                        "foreign message accepted"
+                    );
                     prop_assert_eq!(&before, &m);
                 }
             }
@@ -349,7 +405,11 @@ fn run(policy: HandoffPolicy, known_dest: bool, known_gen: bool, ops: Vec<Op>) -
                     handoff: id,
                     from: dest,
                     generation: Generation(1),
-                    body: MessageBody::SourceReady { source: dest, blocks: 1, prompt_tokens: 1 },
+                    body: MessageBody::SourceReady {
+                        source: dest,
+                        blocks: 1,
+                        prompt_tokens: 1,
+                    },
                 };
                 let before = m.clone();
                 prop_assert!(m.handle(SourceEvent::Message(msg), w.now).is_err());
@@ -364,7 +424,11 @@ fn run(policy: HandoffPolicy, known_dest: bool, known_gen: bool, ops: Vec<Op>) -
                 // A pin the core never made: refused when nothing was dispatched, and a second
                 // lease is refused once one is known. (A pin while computing is indistinguishable
                 // from a real one, so it is not probed.)
-                let ev = SourceEvent::PrefillPinned { lease: SourceLeaseId(1), blocks: 1, deadline_ns: w.now };
+                let ev = SourceEvent::PrefillPinned {
+                    lease: SourceLeaseId(1),
+                    blocks: 1,
+                    deadline_ns: w.now,
+                };
                 if w.dispatches == 0 || w.lease_acked {
                     let before = m.clone();
                     prop_assert!(m.handle(ev, w.now).is_err(), "bogus pin accepted");
@@ -374,16 +438,31 @@ fn run(policy: HandoffPolicy, known_dest: bool, known_gen: bool, ops: Vec<Op>) -
         }
     }
     // Teardown: whatever is left is canceled, and a pin still in flight arrives late (twice).
-    w.deliver(&mut m, SourceEvent::Cancelled { reason: CancelReason::Teardown })?;
+    w.deliver(
+        &mut m,
+        SourceEvent::Cancelled {
+            reason: CancelReason::Teardown,
+        },
+    )?;
     prop_assert!(m.is_released());
     if w.core == Core::Pinned {
         let ev = w.pin_event();
         w.deliver(&mut m, ev)?;
         w.deliver(&mut m, ev)?;
     }
-    prop_assert_eq!(w.released_entries, 1, "entered Released {} times", w.released_entries);
+    prop_assert_eq!(
+        w.released_entries,
+        1,
+        "entered Released {} times",
+        w.released_entries
+    );
     if std::env::var_os("LIFECYCLE_COVERAGE").is_some() {
-        eprintln!("COVER {:?} acked={} dispatched={}", m.state(), w.lease_acked, w.dispatches);
+        eprintln!(
+            "COVER {:?} acked={} dispatched={}",
+            m.state(),
+            w.lease_acked,
+            w.dispatches
+        );
     }
     prop_assert!(!w.dispatch_open, "a dispatch was never ended");
     if w.lease_acked {
@@ -396,22 +475,44 @@ fn run(policy: HandoffPolicy, known_dest: bool, known_gen: bool, ops: Vec<Op>) -
     prop_assert!(count(&w.facts, "HandoffCanceled") <= 1);
     prop_assert!(count(&w.facts, "ReaderCompleted") <= 1);
     prop_assert!(count(&w.facts, "LeaseExpired") <= 1);
-    let ended = count(&w.facts, "HandoffCanceled") + count(&w.facts, "ReaderCompleted") + count(&w.facts, "LeaseExpired");
-    prop_assert_eq!(ended, 1, "the handoff must end by exactly one of cancel, reader completion, expiry");
+    let ended = count(&w.facts, "HandoffCanceled")
+        + count(&w.facts, "ReaderCompleted")
+        + count(&w.facts, "LeaseExpired");
+    prop_assert_eq!(
+        ended,
+        1,
+        "the handoff must end by exactly one of cancel, reader completion, expiry"
+    );
     match m.state() {
-        SourceState::Released { how: EndReason::Success } => prop_assert_eq!(count(&w.facts, "ReaderCompleted"), 1),
-        SourceState::Released { how: EndReason::Expired } => prop_assert_eq!(count(&w.facts, "LeaseExpired"), 1),
+        SourceState::Released {
+            how: EndReason::Success,
+        } => prop_assert_eq!(count(&w.facts, "ReaderCompleted"), 1),
+        SourceState::Released {
+            how: EndReason::Expired,
+        } => prop_assert_eq!(count(&w.facts, "LeaseExpired"), 1),
         SourceState::Released { .. } => prop_assert_eq!(count(&w.facts, "HandoffCanceled"), 1),
         s => prop_assert!(false, "not released: {:?}", s),
     }
     // Destination-first never dispatches before the destination's reservation was applied.
     if policy == HandoffPolicy::DestinationFirst {
-        let dispatched = w.facts.iter().position(|f| matches!(f, Fact::PrefillDispatched { .. }));
+        let dispatched = w
+            .facts
+            .iter()
+            .position(|f| matches!(f, Fact::PrefillDispatched { .. }));
         if let Some(d) = dispatched {
             let reserved = w.facts.iter().position(|f| {
-                matches!(f, Fact::MessageReceived { kind: handoff_ledger::events::MessageKind::DestinationReserved, .. })
+                matches!(
+                    f,
+                    Fact::MessageReceived {
+                        kind: handoff_ledger::events::MessageKind::DestinationReserved,
+                        ..
+                    }
+                )
             });
-            prop_assert!(matches!(reserved, Some(r) if r < d), "destination-first dispatched before reservation");
+            prop_assert!(
+                matches!(reserved, Some(r) if r < d),
+                "destination-first dispatched before reservation"
+            );
         }
     }
     Ok(())
@@ -444,14 +545,36 @@ fn pin_racing_a_cancel_is_released_once() {
     let id = handoff_id(3);
     let mut m = source(id, HandoffPolicy::SourceFirst, None, None);
     let t = m.handle(SourceEvent::Start, 0).unwrap();
-    assert_eq!(t.actions, vec![SourceAction::DispatchPrefill { lease_ns: LEASE_NS }]);
-    let t = m.handle(SourceEvent::Cancelled { reason: CancelReason::RequestAborted }, 5).unwrap();
-    assert_eq!(t.actions, vec![SourceAction::CancelPrefill { reason: CancelReason::RequestAborted }]);
-    let pin = SourceEvent::PrefillPinned { lease: LEASE, blocks: 8, deadline_ns: 100 };
+    assert_eq!(
+        t.actions,
+        vec![SourceAction::DispatchPrefill { lease_ns: LEASE_NS }]
+    );
+    let t = m
+        .handle(
+            SourceEvent::Cancelled {
+                reason: CancelReason::RequestAborted,
+            },
+            5,
+        )
+        .unwrap();
+    assert_eq!(
+        t.actions,
+        vec![SourceAction::CancelPrefill {
+            reason: CancelReason::RequestAborted
+        }]
+    );
+    let pin = SourceEvent::PrefillPinned {
+        lease: LEASE,
+        blocks: 8,
+        deadline_ns: 100,
+    };
     let t = m.handle(pin, 6).unwrap();
     assert_eq!(
         t.actions,
-        vec![SourceAction::ReleaseSource { lease: LEASE, reason: EndReason::Canceled(CancelReason::RequestAborted) }]
+        vec![SourceAction::ReleaseSource {
+            lease: LEASE,
+            reason: EndReason::Canceled(CancelReason::RequestAborted)
+        }]
     );
     assert!(m.handle(pin, 7).unwrap().actions.is_empty());
     assert!(m.is_released());

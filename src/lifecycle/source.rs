@@ -430,10 +430,10 @@ impl SourceHandoff {
                 self.accept(t, &msg);
                 self.destination_reserved = true;
                 match self.state {
-                    SourceState::NotStarted => {
-                        if self.policy == HandoffPolicy::DestinationFirst {
-                            self.dispatch(t);
-                        }
+                    // Destination-first: the reservation is the gate for the prefill.
+                    // (Source-first just remembers it until Start.)
+                    SourceState::NotStarted if self.policy == HandoffPolicy::DestinationFirst => {
+                        self.dispatch(t);
                     }
                     SourceState::Pinned {
                         lease,

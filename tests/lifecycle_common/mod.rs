@@ -7,8 +7,7 @@ use handoff_ledger::ids::{
     WorkerId,
 };
 use handoff_ledger::lifecycle::{
-    DestinationConfig, DestinationHandoff, DestinationInit, SourceConfig, SourceHandoff,
-    SourceInit,
+    DestinationConfig, DestinationHandoff, DestinationInit, SourceConfig, SourceHandoff, SourceInit,
 };
 
 pub const LEASE_NS: u64 = 30_000_000_000;
@@ -29,7 +28,10 @@ pub fn handoff_id(seed: u64) -> HandoffId {
 }
 
 pub fn demand() -> KvHandoffDemand {
-    KvHandoffDemand { context_tokens: PROMPT_TOKENS, max_output_tokens: 128 }
+    KvHandoffDemand {
+        context_tokens: PROMPT_TOKENS,
+        max_output_tokens: 128,
+    }
 }
 
 pub fn source(
@@ -47,7 +49,10 @@ pub fn source(
         generation: Generation(3),
         destination,
         destination_generation,
-        config: SourceConfig { lease_ns: LEASE_NS, renew_ns: RENEW_NS },
+        config: SourceConfig {
+            lease_ns: LEASE_NS,
+            renew_ns: RENEW_NS,
+        },
     })
     .expect("enabled policy")
 }
