@@ -776,3 +776,76 @@ proptest! {
         randomized(policy, seed, Some(fault));
     }
 }
+
+/// Throughput of the two machines alone (no harness): one clean handoff is 9 `handle` calls.
+/// Run with `cargo test --test lifecycle_composed machine_throughput -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn machine_throughput() {
+    let n = 200_000u64;
+    let start = std::time::Instant::now();
+    let mut calls = 0u64;
+    for i in 0..n {
+        let id = handoff_ledger::ids::HandoffId(uuid::Uuid::from_u64_pair(i, i));
+        let mut s = source(id, HandoffPolicy::SourceFirst, None, None);
+        let mut d = destination(id, HandoffPolicy::SourceFirst, Some(source_worker()), None);
+        let mut sent = Vec::new();
+        let t = s.handle(SourceEvent::Start, 1).unwrap();
+        let t2 = s
+            .handle(
+                SourceEvent::PrefillPinned {
+                    lease: LEASE,
+                    blocks: BLOCKS,
+                    deadline_ns: 10,
+                },
+                2,
+            )
+            .unwrap();
+        d.handle(
+            DestinationEvent::Routed {
+                worker: dest_worker(),
+            },
+            3,
+        )
+        .unwrap();
+        let t3 = d
+            .handle(
+                DestinationEvent::Reserved {
+                    reservation: RES,
+                    prefix_tokens: 0,
+                    missing_tokens: 16,
+                },
+                4,
+            )
+            .unwrap();
+        for a in t3.actions {
+            if let DestinationAction::Send { message, .. } = a {
+                sent.push(message);
+            }
+        }
+        let t4 = s
+            .handle(SourceEvent::Message(sent.pop().unwrap()), 5)
+            .unwrap();
+        for a in t4.actions {
+            if let SourceAction::Send { message, .. } = a {
+                d.handle(DestinationEvent::Message(message), 6).unwrap();
+            }
+        }
+        let t5 = d.handle(DestinationEvent::ReceiveCompleted, 7).unwrap();
+        for a in t5.actions {
+            if let DestinationAction::Send { message, .. } = a {
+                s.handle(SourceEvent::Message(message), 8).unwrap();
+            }
+        }
+        d.handle(DestinationEvent::RequestFinished, 9).unwrap();
+        assert!(s.is_released() && d.is_released());
+        calls += 9;
+        std::hint::black_box((t, t2));
+    }
+    let secs = start.elapsed().as_secs_f64();
+    eprintln!(
+        "{n} handoffs, {calls} handle calls in {secs:.3} s: {:.0} handoffs/s, {:.0} calls/s",
+        n as f64 / secs,
+        calls as f64 / secs
+    );
+}
