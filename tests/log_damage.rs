@@ -1,0 +1,300 @@
+//! Damage: a torn tail is cut and reported, anything else is an error naming file and offset.
+
+mod common;
+
+use common::{golden_facts, header};
+use handoff_ledger::events::{
+    codec, recover, verify_stream, Fact, LogError, Record, StreamReader, StreamWriter, TornTail,
+};
+use handoff_ledger::ids::{RequestId, WorkerId};
+use std::io::Cursor;
+use std::path::Path;
+
+/// A stream of the golden facts (every variant); returns the bytes and each record's offset.
+fn sample() -> (Vec<u8>, Vec<u64>) {
+    let mut w = StreamWriter::new(Vec::new(), &header(3, WorkerId::prefill(1))).unwrap();
+    let mut offsets = Vec::new();
+    for (at, f) in golden_facts() {
+        offsets.push(w.bytes_written());
+        w.append(at, &f).unwrap();
+    }
+    (w.finish().unwrap(), offsets)
+}
+
+/// Reads everything; returns the records and the final outcome.
+fn read_all(bytes: &[u8]) -> (Vec<Record>, Result<Option<TornTail>, LogError>) {
+    let mut r = match StreamReader::new(Cursor::new(bytes), "mem.hlog") {
+        Ok(r) => r,
+        Err(e) => return (Vec::new(), Err(e)),
+    };
+    let mut recs = Vec::new();
+    loop {
+        match r.next_record() {
+            Ok(Some(rec)) => recs.push(rec),
+            Ok(None) => return (recs, Ok(r.torn_tail())),
+            Err(e) => return (recs, Err(e)),
+        }
+    }
+}
+
+#[test]
+fn torn_tail_at_every_byte_of_the_last_record_is_recovered() {
+    let (bytes, offsets) = sample();
+    let (all, end) = read_all(&bytes);
+    assert_eq!(end.unwrap(), None);
+    let n = all.len();
+    let last = *offsets.last().unwrap() as usize;
+    let dir = tempfile::tempdir().unwrap();
+    for cut in last..bytes.len() {
+        let torn = &bytes[..cut];
+        let (recs, end) = read_all(torn);
+        let end = end.unwrap_or_else(|e| panic!("cut at {cut}: {e}"));
+        assert_eq!(recs, all[..n - 1], "cut at {cut}: every earlier record recovered");
+        let want =
+            (cut > last).then_some(TornTail { offset: last as u64, bytes: (cut - last) as u64 });
+        assert_eq!(end, want, "cut at {cut}");
+
+        // On disk: verify reports without writing; recover truncates to a clean stream.
+        let path = dir.path().join(format!("cut-{cut}.hlog"));
+        std::fs::write(&path, torn).unwrap();
+        let summary = verify_stream(&path).unwrap();
+        assert_eq!(summary.records, (n - 1) as u64);
+        assert_eq!(summary.torn_tail, want);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), cut as u64, "verify never writes");
+        assert_eq!(recover(&path).unwrap(), want);
+        assert_eq!(std::fs::read(&path).unwrap(), bytes[..last], "cut to the last sound record");
+        let again = verify_stream(&path).unwrap();
+        assert_eq!(again.torn_tail, None);
+        assert_eq!(again.records, (n - 1) as u64);
+        assert_eq!(recover(&path).unwrap(), None, "a clean stream is left alone");
+    }
+}
+
+/// Every byte of a middle record, flipped three ways, is reported at that record's offset.
+#[test]
+fn a_flipped_byte_in_a_middle_record_names_its_offset() {
+    let (bytes, offsets) = sample();
+    for victim in [offsets.len() / 2, 1, offsets.len() - 1] {
+        let start = offsets[victim] as usize;
+        let end = offsets.get(victim + 1).map(|o| *o as usize).unwrap_or(bytes.len());
+        for pos in start..end {
+            for mask in [0x01u8, 0x80, 0xFF] {
+                let mut bad = bytes.clone();
+                bad[pos] ^= mask;
+                let (recs, res) = read_all(&bad);
+                let err = match res {
+                    Err(e) => e,
+                    Ok(t) => panic!("byte {pos} ^ {mask:#x} of record {victim}: no error ({t:?})"),
+                };
+                assert_eq!(err.offset(), Some(start as u64), "byte {pos} ^ {mask:#x}: {err}");
+                assert!(
+                    matches!(err, LogError::Corrupt { .. } | LogError::SequenceGap { .. }),
+                    "{err}"
+                );
+                let msg = err.to_string();
+                assert!(msg.contains("mem.hlog"), "{msg}");
+                assert!(msg.contains(&format!("byte offset {start}")), "{msg}");
+                assert_eq!(recs.len(), victim, "records before the damage are still returned");
+            }
+        }
+    }
+}
+
+#[test]
+fn header_damage_is_a_header_error() {
+    let (bytes, offsets) = sample();
+    for pos in 12..offsets[0] as usize {
+        let mut bad = bytes.clone();
+        bad[pos] ^= 0x40;
+        match read_all(&bad).1 {
+            Err(LogError::CorruptHeader { offset: 12, .. }) => {}
+            other => panic!("header byte {pos}: {other:?}"),
+        }
+    }
+    // Cut inside the header: an error, never an empty stream.
+    for cut in 0..offsets[0] as usize {
+        match read_all(&bytes[..cut]).1 {
+            Err(LogError::CorruptHeader { .. }) => {}
+            other => panic!("header cut at {cut}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn bad_magic_unknown_version_and_unknown_codec() {
+    let (bytes, _) = sample();
+    let mut bad = bytes.clone();
+    bad[0] = b'X';
+    let e = read_all(&bad).1.unwrap_err();
+    assert!(matches!(e, LogError::BadMagic { .. }), "{e}");
+    assert!(e.to_string().contains("mem.hlog") && e.to_string().contains("byte offset 0"), "{e}");
+
+    let mut v2 = bytes.clone();
+    v2[8..10].copy_from_slice(&2u16.to_le_bytes());
+    match read_all(&v2).1 {
+        Err(e @ LogError::UnsupportedVersion { found: 2, supported: 1, .. }) => {
+            assert!(e.to_string().contains("unsupported format version 2"), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
+
+    let mut c = bytes.clone();
+    c[10..12].copy_from_slice(&99u16.to_le_bytes());
+    assert!(matches!(read_all(&c).1, Err(LogError::UnknownCodec { found: 99, .. })));
+
+    // A merged run file is not a stream.
+    let run = b"HOFFRUN\0\x01\x00\x01\x00".to_vec();
+    assert!(matches!(read_all(&run).1, Err(LogError::BadMagic { .. })));
+}
+
+/// Hand-framed records with valid checksums, to reach the checks behind the checksum.
+fn frame(seq: u64, at_ns: u64, fact_bytes: &[u8]) -> Vec<u8> {
+    let mut body = Vec::new();
+    body.extend_from_slice(&seq.to_le_bytes());
+    body.extend_from_slice(&at_ns.to_le_bytes());
+    body.extend_from_slice(fact_bytes);
+    let mut out = (body.len() as u32).to_le_bytes().to_vec();
+    out.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+fn header_only() -> Vec<u8> {
+    StreamWriter::new(Vec::new(), &header(3, WorkerId::decode(0))).unwrap().finish().unwrap()
+}
+
+fn enc(f: &Fact) -> Vec<u8> {
+    let mut v = Vec::new();
+    codec::encode_into(f, &mut v).unwrap();
+    v
+}
+
+#[test]
+fn sequence_gap_and_undecodable_fact_name_their_offsets() {
+    let f = enc(&Fact::RequestQueued { request: RequestId(1) });
+    let mut bytes = header_only();
+    bytes.extend(frame(0, 1, &f));
+    bytes.extend(frame(1, 2, &f));
+    let gap_at = bytes.len() as u64;
+    bytes.extend(frame(3, 3, &f));
+    match read_all(&bytes) {
+        (recs, Err(LogError::SequenceGap { offset, expected: 2, found: 3, .. })) => {
+            assert_eq!(offset, gap_at);
+            assert_eq!(recs.len(), 2);
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // The first record must be seq 0.
+    let mut bytes = header_only();
+    bytes.extend(frame(1, 1, &f));
+    assert!(matches!(read_all(&bytes).1, Err(LogError::SequenceGap { expected: 0, found: 1, .. })));
+
+    // A checksum-valid record whose fact does not decode (variant 200; trailing bytes).
+    for junk in [vec![200u8], [f.clone(), vec![0]].concat(), vec![]] {
+        let mut bytes = header_only();
+        bytes.extend(frame(0, 1, &f));
+        let at = bytes.len() as u64;
+        bytes.extend(frame(1, 2, &junk));
+        match read_all(&bytes).1 {
+            Err(e @ LogError::Corrupt { .. }) => {
+                assert_eq!(e.offset(), Some(at));
+                assert!(e.to_string().contains("undecodable fact"), "{e}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+#[test]
+fn impossible_lengths_are_errors_even_at_the_end() {
+    let f = enc(&Fact::KvCleared);
+    for len in [0u32, 15, 16 * 1024 * 1024 + 1, u32::MAX] {
+        let mut bytes = header_only();
+        bytes.extend(frame(0, 1, &f));
+        let at = bytes.len() as u64;
+        bytes.extend_from_slice(&len.to_le_bytes());
+        bytes.extend_from_slice(&[0u8; 20]);
+        match read_all(&bytes).1 {
+            Err(e @ LogError::Corrupt { .. }) => {
+                assert_eq!(e.offset(), Some(at), "{e}");
+                assert!(e.to_string().contains("impossible record length"), "{e}");
+            }
+            other => panic!("len {len}: {other:?}"),
+        }
+    }
+}
+
+/// The length of the LAST record damaged upward (past the end of the file) is not mistaken for
+/// a torn tail: the record is whole under its checksum, so recovering would lose data.
+#[test]
+fn damaged_length_of_the_last_record_is_not_a_torn_tail() {
+    let (bytes, offsets) = sample();
+    let last = *offsets.last().unwrap() as usize;
+    for (byte, mask) in [(0usize, 0x40u8), (1, 0x01), (2, 0x01)] {
+        let mut bad = bytes.clone();
+        bad[last + byte] ^= mask;
+        match read_all(&bad).1 {
+            Err(e @ LogError::Corrupt { .. }) => {
+                assert_eq!(e.offset(), Some(last as u64));
+                assert!(e.to_string().contains("damaged length"), "{e}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.hlog");
+        std::fs::write(&p, &bad).unwrap();
+        assert!(recover(&p).is_err());
+        assert_eq!(std::fs::read(&p).unwrap(), bad, "recover writes nothing on damage");
+    }
+}
+
+#[test]
+fn open_append_cuts_a_torn_tail_and_continues() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("prefill-1.hlog");
+    let (bytes, offsets) = sample();
+    let last = *offsets.last().unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
+    let (mut w, torn) = StreamWriter::open_append(&path).unwrap();
+    assert_eq!(torn, Some(TornTail { offset: last, bytes: bytes.len() as u64 - 3 - last }));
+    let n = offsets.len() as u64;
+    assert_eq!(w.next_seq(), n - 1);
+    assert_eq!(w.append(999, &Fact::KvCleared).unwrap(), n - 1);
+    w.finish().unwrap();
+    let s = verify_stream(&path).unwrap();
+    assert_eq!((s.records, s.torn_tail, s.last_at_ns), (n, None, Some(999)));
+
+    // Damage other than a torn tail: refused, file untouched.
+    let mut bad = bytes.clone();
+    bad[offsets[2] as usize + 9] ^= 1;
+    std::fs::write(&path, &bad).unwrap();
+    let e = StreamWriter::open_append(&path).unwrap_err();
+    assert_eq!(e.offset(), Some(offsets[2]));
+    assert_eq!(std::fs::read(&path).unwrap(), bad);
+}
+
+#[test]
+fn io_errors_name_the_file() {
+    let e = StreamReader::open(Path::new("/nonexistent/dir/decode-9.hlog")).err().unwrap();
+    assert!(matches!(e, LogError::Io { .. }));
+    assert!(e.to_string().contains("/nonexistent/dir/decode-9.hlog"), "{e}");
+}
+
+#[test]
+fn verify_counts_records_and_distinct_handoffs() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.hlog");
+    let (bytes, _) = sample();
+    std::fs::write(&path, &bytes).unwrap();
+    let s = verify_stream(&path).unwrap();
+    let facts = golden_facts();
+    let mut hs: Vec<_> = facts.iter().filter_map(|(_, f)| f.handoff()).collect();
+    hs.sort();
+    hs.dedup();
+    assert_eq!(s.records, facts.len() as u64);
+    assert_eq!(s.handoffs, hs.len());
+    assert_eq!(s.first_at_ns, Some(facts[0].0));
+    assert_eq!(s.last_at_ns, Some(facts.last().unwrap().0));
+    assert_eq!(s.bytes, bytes.len() as u64);
+}

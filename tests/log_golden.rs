@@ -1,0 +1,276 @@
+//! Golden v1 files: committed bytes that this build must read unchanged and write identically.
+//! A change to `Fact`, `StreamHeader`, the codec or the framing that alters the encoding fails
+//! here; such a change needs a new format version, not a regenerated golden file.
+//!
+//! Regenerate (only when deliberately starting a new format version):
+//! `REGENERATE_GOLDEN=1 cargo test --test log_golden`
+
+mod common;
+
+use common::{golden_facts, golden_header, ordinal, FACT_VARIANTS};
+use handoff_ledger::events::{
+    write_merged, EngineShape, Fact, KvDelta, Record, RunKind, RunReader, RunWriter, StreamHeader,
+    StreamReader, StreamWriter,
+};
+use handoff_ledger::ids::{
+    Backend, ClockDomain, DestinationReservationId, EndReason, HandoffPolicy, KvHandoffDemand,
+    RequestId, SourceLeaseId, WorkerId,
+};
+use std::path::PathBuf;
+use uuid::Uuid;
+
+fn golden_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/golden/v1")
+}
+
+fn regenerate() -> bool {
+    std::env::var("REGENERATE_GOLDEN").map(|v| v == "1").unwrap_or(false)
+}
+
+fn encode_golden_stream() -> Vec<u8> {
+    let mut w = StreamWriter::new(Vec::new(), &golden_header()).unwrap();
+    for (at, f) in golden_facts() {
+        w.append(at, &f).unwrap();
+    }
+    w.finish().unwrap()
+}
+
+#[test]
+fn golden_v1_log_decodes_unchanged() {
+    let path = golden_dir().join("golden.hlog");
+    let encoded = encode_golden_stream();
+    if regenerate() {
+        std::fs::create_dir_all(golden_dir()).unwrap();
+        std::fs::write(&path, &encoded).unwrap();
+        eprintln!("regenerated {}", path.display());
+    }
+
+    // The list covers every variant, so no variant's encoding can drift unseen.
+    let facts = golden_facts();
+    let mut seen = [false; FACT_VARIANTS];
+    for (_, f) in &facts {
+        seen[ordinal(f)] = true;
+    }
+    assert!(seen.iter().all(|s| *s), "golden list misses a Fact variant");
+
+    // (a) The committed file decodes to the list built in code.
+    let mut r = StreamReader::open(&path).unwrap_or_else(|e| {
+        panic!("{e} (regenerate with REGENERATE_GOLDEN=1 only for a new format version)")
+    });
+    assert_eq!(r.header(), &golden_header());
+    let mut got = Vec::new();
+    while let Some(rec) = r.next_record().unwrap() {
+        got.push(rec);
+    }
+    assert_eq!(r.torn_tail(), None);
+    let want: Vec<Record> = facts
+        .into_iter()
+        .enumerate()
+        .map(|(i, (at_ns, fact))| Record { seq: i as u64, at_ns, fact })
+        .collect();
+    assert_eq!(got, want);
+
+    // (b) Encoding the list today gives the committed bytes.
+    let committed = std::fs::read(&path).unwrap();
+    assert_eq!(encoded.len(), committed.len(), "encoded length changed");
+    let first_diff = encoded.iter().zip(&committed).position(|(a, b)| a != b);
+    assert_eq!(first_diff, None, "encoding differs from the golden file at this byte offset");
+}
+
+// ----- the golden merged run -----
+
+const RUN: u128 = 0x6f6c_6467_0000_4000_8000_0000_0000_0002;
+
+fn run_header(worker: WorkerId, engine: EngineShape) -> StreamHeader {
+    StreamHeader {
+        run_id: Uuid::from_u128(RUN),
+        worker,
+        backend: Backend::Vllm,
+        policy: HandoffPolicy::SourceFirst,
+        clock: ClockDomain::Virtual,
+        seed: 7,
+        engine,
+    }
+}
+
+fn shape(total_blocks: u32) -> EngineShape {
+    EngineShape {
+        total_blocks,
+        block_size: 16,
+        max_request_slots: 8,
+        config_json: format!("{{\"num_gpu_blocks\":{total_blocks}}}"),
+    }
+}
+
+const P: WorkerId = WorkerId { role: handoff_ledger::ids::Role::Prefill, index: 0, dp_rank: 0 };
+const D: WorkerId = WorkerId { role: handoff_ledger::ids::Role::Decode, index: 0, dp_rank: 0 };
+const R: WorkerId = WorkerId::ROUTER;
+
+/// Three small streams of one source-first handoff, as each worker wrote them.
+fn run_streams() -> Vec<(StreamHeader, Vec<(u64, Fact)>)> {
+    let h = common::h(0x11);
+    let req = RequestId(1);
+    let kv = |active, pinned, reserved, free| KvDelta {
+        active,
+        pinned_source: pinned,
+        reserved_destination: reserved,
+        free,
+        ..KvDelta::ZERO
+    };
+    vec![
+        // Given out of canonical order on purpose: the writer and reader must sort.
+        (
+            run_header(R, EngineShape::none()),
+            vec![
+                (0, Fact::RequestArrived { request: req, input_tokens: 64, output_tokens: 8 }),
+                (
+                    10,
+                    Fact::PrefillBooked { request: req, worker: P, prefill_tokens: 64, blocks: 4 },
+                ),
+                (20, Fact::DecodeBooked { request: req, worker: D, blocks: 5 }),
+                (50, Fact::PrefillBookingFreed { request: req, worker: P }),
+            ],
+        ),
+        (
+            run_header(D, shape(200)),
+            vec![
+                (20, Fact::DestinationRouted { handoff: h, worker: D }),
+                (
+                    30,
+                    Fact::DestinationReserved {
+                        handoff: h,
+                        request: req,
+                        reservation: DestinationReservationId(1),
+                        pages: 4,
+                        prefix_blocks: 0,
+                        prefix_tokens: 0,
+                        deadline_ns: 1_000,
+                        kv: kv(0, 0, 4, -4),
+                    },
+                ),
+                (40, Fact::ReceiveCompleted { handoff: h }),
+                (
+                    50,
+                    Fact::DestinationActivated {
+                        handoff: h,
+                        reservation: DestinationReservationId(1),
+                        kv: kv(4, 0, -4, 0),
+                    },
+                ),
+            ],
+        ),
+        (
+            run_header(P, shape(100)),
+            vec![
+                (
+                    10,
+                    Fact::HandoffStarted {
+                        handoff: h,
+                        request: req,
+                        policy: HandoffPolicy::SourceFirst,
+                        demand: KvHandoffDemand { context_tokens: 64, max_output_tokens: 8 },
+                    },
+                ),
+                (20, Fact::PrefillDispatched { handoff: h }),
+                (
+                    30,
+                    Fact::SourcePinned {
+                        handoff: h,
+                        request: req,
+                        lease: SourceLeaseId(1),
+                        blocks: 4,
+                        deadline_ns: 500,
+                        kv: kv(-4, 4, 0, 0),
+                    },
+                ),
+                (
+                    50,
+                    Fact::SourceReleased {
+                        handoff: h,
+                        lease: SourceLeaseId(1),
+                        reason: EndReason::Success,
+                        kv: kv(0, -4, 0, 4),
+                    },
+                ),
+            ],
+        ),
+    ]
+}
+
+/// The merge order, written out by hand from the rule (at_ns, canonical stream, seq); canonical
+/// order is prefill-0 (0), decode-0 (1), router (2).
+const MERGE_ORDER: [(WorkerId, u64); 12] = [
+    (R, 0), // 0
+    (P, 0), // 10
+    (R, 1), // 10
+    (P, 1), // 20
+    (D, 0), // 20
+    (R, 2), // 20
+    (P, 2), // 30
+    (D, 1), // 30
+    (D, 2), // 40
+    (P, 3), // 50
+    (D, 3), // 50
+    (R, 3), // 50
+];
+
+#[test]
+fn golden_v1_merged_run_decodes_unchanged() {
+    let path = golden_dir().join("golden-run.hrun");
+    let streams = run_streams();
+
+    // Encode today: a run directory, then merged.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let mut rw = RunWriter::create(&dir, streams.iter().map(|(h, _)| h.clone())).unwrap();
+    for (h, recs) in &streams {
+        for (at, f) in recs {
+            rw.append(h.worker, *at, f).unwrap();
+        }
+    }
+    rw.finish().unwrap();
+    let encoded_path = tmp.path().join("run.hrun");
+    write_merged(&dir, &encoded_path).unwrap();
+    let encoded = std::fs::read(&encoded_path).unwrap();
+    if regenerate() {
+        std::fs::create_dir_all(golden_dir()).unwrap();
+        std::fs::write(&path, &encoded).unwrap();
+        eprintln!("regenerated {}", path.display());
+    }
+
+    // (a) The committed file: canonical headers, and the hand-written merge order.
+    let mut r = RunReader::open(&path).unwrap();
+    assert_eq!(r.kind(), RunKind::Merged);
+    let workers: Vec<WorkerId> = r.headers().iter().map(|h| h.worker).collect();
+    assert_eq!(workers, vec![P, D, R]);
+    for h in r.headers() {
+        let (given, _) = streams.iter().find(|(g, _)| g.worker == h.worker).unwrap();
+        assert_eq!(h, given);
+    }
+    let mut got = Vec::new();
+    while let Some((i, rec)) = r.next().unwrap() {
+        got.push((workers[i], rec));
+    }
+    let want: Vec<(WorkerId, Record)> = MERGE_ORDER
+        .iter()
+        .map(|(w, seq)| {
+            let (_, recs) = streams.iter().find(|(h, _)| h.worker == *w).unwrap();
+            let (at_ns, fact) = recs[*seq as usize].clone();
+            (*w, Record { seq: *seq, at_ns, fact })
+        })
+        .collect();
+    assert_eq!(got, want);
+    // The directory reads the same.
+    let mut d = RunReader::open(&dir).unwrap();
+    let mut from_dir = Vec::new();
+    while let Some((i, rec)) = d.next().unwrap() {
+        from_dir.push((workers[i], rec));
+    }
+    assert_eq!(from_dir, want);
+
+    // (b) Byte equality with the committed file.
+    let committed = std::fs::read(&path).unwrap();
+    assert_eq!(encoded.len(), committed.len(), "encoded length changed");
+    let first_diff = encoded.iter().zip(&committed).position(|(a, b)| a != b);
+    assert_eq!(first_diff, None, "encoding differs from the golden run at this byte offset");
+}
