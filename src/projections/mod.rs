@@ -13,4 +13,5 @@ pub mod distribution;
 pub mod metrics;
 
 pub use metrics::{MetricsFold, MetricsReport, PerRequest};
+pub mod inspect;
 pub mod run;

@@ -1,5 +1,6 @@
 //! `handoff-log`: record, replay, check and explain KV handoff logs.
 
+mod cmd_inspect;
 mod cmd_project;
 mod cmd_show;
 mod cmd_verify;
@@ -75,6 +76,10 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Post-mortem of a run: stranding cascade and its trigger, destination gating, peaks per
+    /// worker, the longest-pinned handoffs with their timelines, where handoff time went, and
+    /// router bookings beside physical occupancy.
+    Inspect(cmd_inspect::InspectArgs),
 }
 
 /// A user-facing error: printed on stderr, mapped to an exit code.
@@ -112,6 +117,7 @@ fn main() -> ExitCode {
         Command::Project { log, what, json } => cmd_project::run(&log, what, json),
         Command::Merge { run, out } => cmd_verify::merge(&run, &out),
         Command::Recover { run } => cmd_verify::recover(&run),
+        Command::Inspect(args) => cmd_inspect::run(&args),
     };
     match result {
         Ok(code) => ExitCode::from(code),
