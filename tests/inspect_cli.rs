@@ -56,3 +56,109 @@ fn committed_fixtures_match_their_scripts() {
         }
     }
 }
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    fixtures_dir().join(name)
+}
+
+#[test]
+fn cascade_is_found_with_its_trigger_on_the_cascade_run() {
+    let v = json(&fixture("scripted-cascade"));
+    for key in ["cascade", "peaks", "longest_pinned", "wait_breakdown"] {
+        assert!(v.get(key).is_some(), "missing top-level key {key}");
+    }
+    let c = &v["cascade"];
+    assert!(c.is_object(), "no cascade reported: {c}");
+    // r9 queued at 1000 ms, pins hot since 740 ms: the stall begins at 1000 + 1000 ms, and
+    // ends when the pins fall at 3006 ms.
+    assert_eq!(c["started_at_ms"], 2000.0);
+    assert_eq!(c["workers"], serde_json::json!(["prefill-0"]));
+    assert_eq!(c["intervals"][0]["ended_at_ms"], 3006.0);
+    let t = &c["trigger"];
+    assert_eq!(t["kind"], "decode_exhaustion");
+    // Both decode workers reached 16/16 blocks at 400 ms.
+    assert_eq!(t["at_ms"], 400.0);
+    let decodes: Vec<&str> = t["decode_workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["worker"].as_str().unwrap())
+        .collect();
+    assert_eq!(decodes, ["decode-0", "decode-1"]);
+    for d in t["decode_workers"].as_array().unwrap() {
+        assert_eq!(d["peak_kv_used_pct"], 100.0);
+    }
+    assert_eq!(t["pin_rise"][0]["pinned_at_trigger_pct"], 0.0);
+    assert_eq!(t["pin_rise"][0]["pinned_at_stall_pct"], 100.0);
+    // The longest pin is r5's: pinned at 640 ms, released at 3206 ms.
+    let top = &v["longest_pinned"][0];
+    assert_eq!(top["request"], 5);
+    assert_eq!(top["pinned_ms"], 2566.0);
+    let facts: Vec<&str> = top["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["fact"].as_str().unwrap())
+        .collect();
+    assert_eq!(facts.first(), Some(&"HandoffStarted"));
+    assert_eq!(facts.last(), Some(&"SourceReleased"));
+    assert!(facts.contains(&"ReservationRefused"));
+    assert!(v["gating"].is_null(), "source-first pins are not gating");
+    // Router bookings ran past both decode workers' 16 blocks.
+    let kinds: Vec<(&str, &str)> = v["bookings"]["divergences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| (d["worker"].as_str().unwrap(), d["kind"].as_str().unwrap()))
+        .collect();
+    assert!(kinds.contains(&("decode-0", "overbooked")));
+}
+
+#[test]
+fn healthy_run_has_no_cascade_and_no_gating() {
+    let v = json(&fixture("scripted-healthy"));
+    assert!(v["cascade"].is_null(), "false cascade: {}", v["cascade"]);
+    assert!(v["gating"].is_null());
+    assert_eq!(v["wait_breakdown"]["outcomes"]["completed"], 11);
+    assert_eq!(v["longest_pinned"][0]["pinned_ms"], 6.0);
+}
+
+#[test]
+fn destination_first_waiting_is_gating_not_a_cascade() {
+    let v = json(&fixture("scripted-gated"));
+    assert!(v["cascade"].is_null());
+    let g = &v["gating"];
+    assert_eq!(g["handoffs"], 4);
+    assert_eq!(g["first_queued_at_ms"], 500.0);
+    // r4 queued at 500 ms and reserved at 2000 ms.
+    assert_eq!(g["wait_ms"]["max"], 1500.0);
+    assert_eq!(g["per_worker"][0]["peak_pending"], 4);
+}
+
+#[test]
+fn thresholds_move_the_verdict() {
+    let run = fixture("scripted-cascade");
+    // r9 waited 2006 ms unscheduled: a 3 s stall threshold sees no cascade.
+    let v: serde_json::Value =
+        serde_json::from_str(&inspect(&run, &["--json", "--stall-ms", "3000"])).unwrap();
+    assert!(v["cascade"].is_null());
+    // With a 500 ms threshold the stall starts 500 ms after r9 queued.
+    let v: serde_json::Value =
+        serde_json::from_str(&inspect(&run, &["--json", "--stall-ms", "500"])).unwrap();
+    assert_eq!(v["cascade"]["started_at_ms"], 1500.0);
+}
+
+#[test]
+fn snapshots_of_text_and_json() {
+    for (name, _) in scripted() {
+        let run = fixture(name);
+        insta::assert_snapshot!(
+            format!("inspect_text_{name}"),
+            inspect(&run, &["--top", "3"])
+        );
+        insta::assert_snapshot!(
+            format!("inspect_json_{name}"),
+            inspect(&run, &["--json", "--top", "3"])
+        );
+    }
+}

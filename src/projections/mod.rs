@@ -15,3 +15,4 @@ pub mod metrics;
 pub use metrics::{MetricsFold, MetricsReport, PerRequest};
 pub mod inspect;
 pub mod run;
+pub mod timeline;

@@ -3,6 +3,7 @@
 mod cmd_inspect;
 mod cmd_project;
 mod cmd_show;
+mod cmd_timeline;
 mod cmd_verify;
 mod out;
 mod report;
@@ -80,6 +81,9 @@ enum Command {
     /// worker, the longest-pinned handoffs with their timelines, where handoff time went, and
     /// router bookings beside physical occupancy.
     Inspect(cmd_inspect::InspectArgs),
+    /// Draw every worker's KV blocks (active / pinned / reserved / cached-free / free, router
+    /// bookings dashed) and queue depths over time as an SVG.
+    Timeline(cmd_timeline::TimelineArgs),
 }
 
 /// A user-facing error: printed on stderr, mapped to an exit code.
@@ -118,6 +122,7 @@ fn main() -> ExitCode {
         Command::Merge { run, out } => cmd_verify::merge(&run, &out),
         Command::Recover { run } => cmd_verify::recover(&run),
         Command::Inspect(args) => cmd_inspect::run(&args),
+        Command::Timeline(args) => cmd_timeline::run(&args),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -1,0 +1,93 @@
+//! `handoff-log timeline`: a picture of every worker's KV blocks and queues over time.
+
+use crate::CliError;
+use handoff_ledger::ids::WorkerId;
+use handoff_ledger::projections::timeline::{collect, render_svg, TimelineOptions};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct TimelineArgs {
+    /// A run directory, stream file or merged run file.
+    pub run: PathBuf,
+    /// The SVG file to write.
+    #[arg(long)]
+    pub svg: PathBuf,
+    /// Only this worker (`prefill-0`, `decode-1`, ...).
+    #[arg(long)]
+    pub worker: Option<String>,
+    /// Window start, ms on the run's clock.
+    #[arg(long)]
+    pub from: Option<f64>,
+    /// Window end, ms on the run's clock.
+    #[arg(long)]
+    pub to: Option<f64>,
+    /// Time buckets per series; each keeps its first, last, minimum and maximum points.
+    #[arg(long, default_value_t = 400, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub buckets: u32,
+}
+
+fn ms_to_ns(flag: &str, v: Option<f64>) -> Result<Option<u64>, CliError> {
+    match v {
+        None => Ok(None),
+        Some(ms) if ms.is_finite() && ms >= 0.0 && ms * 1e6 < u64::MAX as f64 => {
+            Ok(Some((ms * 1e6).round() as u64))
+        }
+        Some(ms) => Err(CliError::new(
+            2,
+            format!("{flag} {ms}: expected a time in ms, 0 or more"),
+        )),
+    }
+}
+
+pub fn run(args: &TimelineArgs) -> Result<u8, CliError> {
+    let worker: Option<WorkerId> = args
+        .worker
+        .as_deref()
+        .map(|w| {
+            w.parse()
+                .map_err(|e: String| CliError::new(2, format!("--worker: {e}")))
+        })
+        .transpose()?;
+    let from_ns = ms_to_ns("--from", args.from)?;
+    let to_ns = ms_to_ns("--to", args.to)?;
+    if let (Some(f), Some(t)) = (from_ns, to_ns) {
+        if t <= f {
+            return Err(CliError::new(2, "--to must be later than --from"));
+        }
+    }
+    let opts = TimelineOptions {
+        worker,
+        from_ns,
+        to_ns,
+        max_buckets: args.buckets as usize,
+    };
+    let data = collect(&args.run, &opts)?;
+    if let Some(w) = worker {
+        if data.workers.is_empty() {
+            let known: Vec<String> = data
+                .headers
+                .iter()
+                .filter(|h| h.worker != WorkerId::ROUTER)
+                .map(|h| h.worker.to_string())
+                .collect();
+            return Err(CliError::new(
+                2,
+                format!(
+                    "--worker {w}: no such engine stream in {} (streams: {})",
+                    args.run.display(),
+                    known.join(", ")
+                ),
+            ));
+        }
+    }
+    let svg = render_svg(&data);
+    std::fs::write(&args.svg, svg.as_bytes())
+        .map_err(|e| CliError::new(2, format!("writing {}: {e}", args.svg.display())))?;
+    eprintln!(
+        "wrote {} ({} workers, {} bytes)",
+        args.svg.display(),
+        data.workers.len(),
+        svg.len()
+    );
+    Ok(0)
+}
