@@ -33,7 +33,8 @@ pub struct TimelineOptions {
     /// Window start / end, ns on the run's clock (default: the whole run).
     pub from_ns: Option<u64>,
     pub to_ns: Option<u64>,
-    /// Buckets per series (each keeps a handful of points).
+    /// Buckets per series once a series has more than `RAW_POINTS_PER_BUCKET ×` this many
+    /// points (each bucket keeps a handful).
     pub max_buckets: usize,
 }
 
@@ -43,7 +44,7 @@ impl Default for TimelineOptions {
             worker: None,
             from_ns: None,
             to_ns: None,
-            max_buckets: 400,
+            max_buckets: 300,
         }
     }
 }
@@ -111,27 +112,51 @@ impl<const N: usize> Bucket<N> {
     }
 }
 
-/// A bounded min/max-preserving downsampler over time (see the module docs).
+/// A bounded min/max-preserving downsampler over time (see the module docs). It keeps every
+/// point until it holds `RAW_POINTS_PER_BUCKET × max_buckets` of them, so short runs are drawn
+/// exactly; past that it buckets.
 #[derive(Clone, Debug)]
 pub struct Downsampler<const N: usize> {
     origin_ns: u64,
+    /// 0 while every point is kept.
     width_ns: u64,
     max_buckets: usize,
+    raw: Vec<Sample<N>>,
     buckets: Vec<Bucket<N>>,
 }
 
+/// Points kept before bucketing starts, per bucket allowed.
+pub const RAW_POINTS_PER_BUCKET: usize = 5;
+
 impl<const N: usize> Downsampler<N> {
-    pub fn new(origin_ns: u64, initial_width_ns: u64, max_buckets: usize) -> Self {
+    pub fn new(origin_ns: u64, max_buckets: usize) -> Self {
         Downsampler {
             origin_ns,
-            width_ns: initial_width_ns.max(1),
+            width_ns: 0,
             max_buckets: max_buckets.max(1),
+            raw: Vec::new(),
             buckets: Vec::new(),
         }
     }
 
     /// Adds a sample; samples must come in non-decreasing time, not before the origin.
     pub fn push(&mut self, s: Sample<N>) {
+        if self.width_ns == 0 {
+            self.raw.push(s);
+            if self.raw.len() > RAW_POINTS_PER_BUCKET * self.max_buckets {
+                // Too many to keep: bucket what we have, at the width the span so far needs.
+                let span = s.at_ns.saturating_sub(self.origin_ns) + 1;
+                self.width_ns = span.div_ceil(self.max_buckets as u64).max(1);
+                for p in std::mem::take(&mut self.raw) {
+                    self.push_bucketed(p);
+                }
+            }
+            return;
+        }
+        self.push_bucketed(s);
+    }
+
+    fn push_bucketed(&mut self, s: Sample<N>) {
         let offset = s.at_ns.saturating_sub(self.origin_ns);
         while offset / self.width_ns >= self.max_buckets as u64 {
             self.widen();
@@ -164,12 +189,16 @@ impl<const N: usize> Downsampler<N> {
         }
     }
 
+    /// The bucket width (0: no point was dropped).
     pub fn bucket_width_ns(&self) -> u64 {
         self.width_ns
     }
 
     /// The kept samples in time order.
     pub fn points(&self) -> Vec<Sample<N>> {
+        if self.width_ns == 0 {
+            return self.raw.clone();
+        }
         self.buckets
             .iter()
             .flat_map(|b| b.points.iter().copied())
@@ -296,7 +325,7 @@ pub fn collect(path: &Path, opts: &TimelineOptions) -> Result<TimelineData, Proj
             if l.last_cap != Some(cv) {
                 l.last_cap = Some(cv);
                 l.cap_ds
-                    .get_or_insert_with(|| Downsampler::new(o, 1_000_000, buckets))
+                    .get_or_insert_with(|| Downsampler::new(o, buckets))
                     .push(Sample {
                         at_ns: t,
                         values: cv,
@@ -305,7 +334,7 @@ pub fn collect(path: &Path, opts: &TimelineOptions) -> Result<TimelineData, Proj
             if l.last_q != Some(qv) {
                 l.last_q = Some(qv);
                 l.q_ds
-                    .get_or_insert_with(|| Downsampler::new(o, 1_000_000, buckets))
+                    .get_or_insert_with(|| Downsampler::new(o, buckets))
                     .push(Sample {
                         at_ns: t,
                         values: qv,
@@ -956,7 +985,7 @@ mod tests {
             steps in proptest::collection::vec((0u64..5_000_000, 0u64..100, 0u64..100), 1..600),
             buckets in 1usize..40,
         ) {
-            let mut ds = Downsampler::<2>::new(0, 1_000_000, buckets);
+            let mut ds = Downsampler::<2>::new(0, buckets);
             let mut t = 0u64;
             let mut input = Vec::new();
             for (dt, a, b) in steps {
@@ -967,6 +996,12 @@ mod tests {
             }
             let kept = ds.points();
             let w = ds.bucket_width_ns();
+            if w == 0 {
+                // Nothing dropped while few points came.
+                prop_assert_eq!(&kept, &input);
+                prop_assert!(input.len() <= RAW_POINTS_PER_BUCKET * buckets);
+                return Ok(());
+            }
             prop_assert!(kept.len() <= 6 * buckets.max(1));
             for k in &kept {
                 prop_assert!(input.contains(k));

@@ -38,9 +38,13 @@ fn header(backend: Backend, worker: WorkerId, total_blocks: u32) -> StreamHeader
     }
 }
 
+/// Facts are collected and written at `finish`, each stream in time order (a stable sort, so
+/// facts of one instant keep the order the script gave them): the script may describe one
+/// request's life after another, but a stream must never go back in time.
 pub struct Script {
     w: RunWriter,
     policy: HandoffPolicy,
+    pending: Vec<(WorkerId, u64, Fact)>,
 }
 
 impl Script {
@@ -73,11 +77,12 @@ impl Script {
         Script {
             w,
             policy: backend.native_policy(),
+            pending: Vec::new(),
         }
     }
 
     fn put(&mut self, worker: WorkerId, t_ms: u64, fact: Fact) {
-        self.w.append(worker, t_ms * MS, &fact).expect("append");
+        self.pending.push((worker, t_ms * MS, fact));
     }
 
     fn started(&mut self, t: u64, worker: WorkerId, req: u64) {
@@ -389,7 +394,12 @@ impl Script {
         );
     }
 
-    pub fn finish(self) {
+    pub fn finish(mut self) {
+        let mut facts = std::mem::take(&mut self.pending);
+        facts.sort_by_key(|(_, at, _)| *at);
+        for (worker, at, fact) in facts {
+            self.w.append(worker, at, &fact).expect("append");
+        }
         self.w.finish().expect("finish run");
     }
 }

@@ -21,8 +21,9 @@ pub struct TimelineArgs {
     /// Window end, ms on the run's clock.
     #[arg(long)]
     pub to: Option<f64>,
-    /// Time buckets per series; each keeps its first, last, minimum and maximum points.
-    #[arg(long, default_value_t = 400, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    /// Time buckets per series, used once a series has more than 5 × this many points; each
+    /// bucket keeps its first, last, minimum and maximum points.
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub buckets: u32,
 }
 
