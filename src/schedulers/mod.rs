@@ -14,6 +14,7 @@
 
 pub mod perf;
 pub mod request;
+pub mod sglang;
 pub mod vllm;
 
 pub use perf::{PolynomialTiming, StepShape, TimingModel};
