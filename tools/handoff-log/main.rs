@@ -1,6 +1,7 @@
 //! `handoff-log`: record, replay, check and explain KV handoff logs.
 
 mod cmd_project;
+mod cmd_replay;
 mod cmd_show;
 mod cmd_verify;
 mod out;
@@ -51,6 +52,7 @@ enum Command {
     },
     /// Replay a trace through a simulated disaggregated (or aggregated) cluster; print the
     /// serving report and write one fact stream per worker to `--out`.
+    Replay(cmd_replay::ReplayArgs),
     /// Write a run directory as one merged file (records in merge order).
     Merge {
         /// A run directory (or any run).
@@ -112,6 +114,7 @@ fn main() -> ExitCode {
         Command::Project { log, what, json } => cmd_project::run(&log, what, json),
         Command::Merge { run, out } => cmd_verify::merge(&run, &out),
         Command::Recover { run } => cmd_verify::recover(&run),
+        Command::Replay(args) => cmd_replay::run(args),
     };
     match result {
         Ok(code) => ExitCode::from(code),

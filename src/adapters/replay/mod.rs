@@ -1,4 +1,6 @@
-//! Offline replay: trace readers and transfer timing (the event loop comes later).
+//! Offline replay: trace readers, transfer timing, configuration and the discrete-event loop.
 
+pub mod config;
+pub mod engine;
 pub mod trace;
 pub mod transfer;

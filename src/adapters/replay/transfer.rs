@@ -112,6 +112,15 @@ impl Default for TransferConfig {
 pub struct TransferConfigError(pub String);
 
 impl TransferConfig {
+    /// KV bytes per token, for sizing transfers in facts (the fixed-delay model has no size of
+    /// its own, so it reports the default model's).
+    pub fn kv_bytes_per_token(&self) -> u64 {
+        match self {
+            TransferConfig::Bandwidth(b) => b.kv_bytes_per_token,
+            TransferConfig::Fixed(_) => DEFAULT_KV_BYTES_PER_TOKEN,
+        }
+    }
+
     pub fn validate(&self) -> Result<(), TransferConfigError> {
         match self {
             TransferConfig::Bandwidth(b) => b.validate(),

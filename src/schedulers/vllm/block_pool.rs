@@ -139,7 +139,15 @@ fn delta_bump(d: &mut KvDelta, c: Class, by: i32) {
 
 impl BlockPool {
     pub fn new(total: u32) -> Self {
-        let blocks = vec![Block { hash: None, refs: [0; 3], prev: NIL, next: NIL }; total as usize];
+        let blocks = vec![
+            Block {
+                hash: None,
+                refs: [0; 3],
+                prev: NIL,
+                next: NIL
+            };
+            total as usize
+        ];
         // Pop order: lowest id first (deterministic).
         let free: Vec<BlockId> = (0..total).rev().collect();
         BlockPool {
@@ -148,7 +156,10 @@ impl BlockPool {
             free,
             lru_head: NIL,
             lru_tail: NIL,
-            counts: Counts { free: total as u64, ..Default::default() },
+            counts: Counts {
+                free: total as u64,
+                ..Default::default()
+            },
             acc: KvDelta::ZERO,
             removed: Vec::new(),
             epoch: 0,
@@ -180,12 +191,18 @@ impl BlockPool {
     /// True if the block is cached-free (unreferenced, evictable): acquiring it takes it out of
     /// the evictable set.
     pub fn is_cached_free(&self, b: BlockId) -> bool {
-        self.blocks.get(b as usize).map(|x| x.class() == Class::Cached).unwrap_or(false)
+        self.blocks
+            .get(b as usize)
+            .map(|x| x.class() == Class::Cached)
+            .unwrap_or(false)
     }
 
     /// Reference counts by owner (`[active, pinned, reserved]`), for audits.
     pub fn refs_of(&self, b: BlockId) -> [u32; 3] {
-        self.blocks.get(b as usize).map(|x| x.refs).unwrap_or([0; 3])
+        self.blocks
+            .get(b as usize)
+            .map(|x| x.refs)
+            .unwrap_or([0; 3])
     }
 
     pub fn hash_of(&self, b: BlockId) -> Option<BlockHash> {
@@ -277,7 +294,9 @@ impl BlockPool {
             return Err(PoolError(format!("release of unknown block {b}")));
         };
         if blk.refs[owner as usize] == 0 {
-            return Err(PoolError(format!("release of block {b} without a {owner:?} reference")));
+            return Err(PoolError(format!(
+                "release of block {b} without a {owner:?} reference"
+            )));
         }
         self.transition(b, |blk| blk.refs[owner as usize] -= 1);
         Ok(())
@@ -289,7 +308,9 @@ impl BlockPool {
             return Err(PoolError(format!("rekind of unknown block {b}")));
         };
         if blk.refs[from as usize] == 0 {
-            return Err(PoolError(format!("rekind of block {b} without a {from:?} reference")));
+            return Err(PoolError(format!(
+                "rekind of block {b} without a {from:?} reference"
+            )));
         }
         self.transition(b, |blk| {
             blk.refs[from as usize] -= 1;
@@ -385,13 +406,25 @@ impl BlockPool {
                 }
             }
         }
-        if self.by_hash.len() as u64 != self.blocks.iter().filter(|b| b.hash.is_some()).count() as u64 {
-            return Err(PoolError("hash index size differs from hashed blocks".into()));
+        if self.by_hash.len() as u64
+            != self.blocks.iter().filter(|b| b.hash.is_some()).count() as u64
+        {
+            return Err(PoolError(
+                "hash index size differs from hashed blocks".into(),
+            ));
         }
         if self.free.len() as u64 != c.free {
-            return Err(PoolError(format!("free stack {} != free blocks {}", self.free.len(), c.free)));
+            return Err(PoolError(format!(
+                "free stack {} != free blocks {}",
+                self.free.len(),
+                c.free
+            )));
         }
-        if self.free.iter().any(|&b| self.blocks[b as usize].class() != Class::Free) {
+        if self
+            .free
+            .iter()
+            .any(|&b| self.blocks[b as usize].class() != Class::Free)
+        {
             return Err(PoolError("free stack holds a non-free block".into()));
         }
         let mut n = 0u64;
@@ -410,10 +443,16 @@ impl BlockPool {
             cur = blk.next;
         }
         if n != c.cached || prev != self.lru_tail {
-            return Err(PoolError(format!("LRU length {n} != cached blocks {}", c.cached)));
+            return Err(PoolError(format!(
+                "LRU length {n} != cached blocks {}",
+                c.cached
+            )));
         }
         if c != self.counts {
-            return Err(PoolError(format!("counters {:?} != recount {:?}", self.counts, c)));
+            return Err(PoolError(format!(
+                "counters {:?} != recount {:?}",
+                self.counts, c
+            )));
         }
         Ok(KvCapacitySnapshot {
             active_blocks: c.active,
@@ -445,7 +484,14 @@ mod tests {
         p.release(a, Owner::Active).unwrap();
         p.release(c, Owner::Active).unwrap(); // no hash: plain free
         let d = p.take_delta();
-        assert_eq!(d, KvDelta { cached_free: 2, free: -2, ..KvDelta::ZERO });
+        assert_eq!(
+            d,
+            KvDelta {
+                cached_free: 2,
+                free: -2,
+                ..KvDelta::ZERO
+            }
+        );
         // Plain free first, then the least recently freed cached block (b, hash 11).
         assert_eq!(p.alloc(Owner::Active), Some(c));
         assert_eq!(p.alloc(Owner::Active), Some(b));
@@ -463,7 +509,14 @@ mod tests {
         p.acquire(a, Owner::Pinned);
         p.acquire(a, Owner::Reserved);
         let s = p.audit().unwrap();
-        assert_eq!((s.active_blocks, s.pinned_source_blocks, s.reserved_destination_blocks), (1, 0, 0));
+        assert_eq!(
+            (
+                s.active_blocks,
+                s.pinned_source_blocks,
+                s.reserved_destination_blocks
+            ),
+            (1, 0, 0)
+        );
         p.release(a, Owner::Active).unwrap();
         assert_eq!(p.audit().unwrap().reserved_destination_blocks, 1);
         p.release(a, Owner::Reserved).unwrap();
@@ -472,7 +525,14 @@ mod tests {
         assert_eq!(p.audit().unwrap().cached_free_blocks, 1);
         assert!(p.release(a, Owner::Pinned).is_err());
         let d = p.take_delta();
-        assert_eq!(d, KvDelta { free: -1, cached_free: 1, ..KvDelta::ZERO });
+        assert_eq!(
+            d,
+            KvDelta {
+                free: -1,
+                cached_free: 1,
+                ..KvDelta::ZERO
+            }
+        );
     }
 
     #[test]
