@@ -214,15 +214,22 @@ impl<'a> Replay<'a> {
         for w in &workers {
             let core: Box<dyn EngineCore> = match cfg.backend {
                 Backend::Vllm | Backend::TrtLlm => Box::new(
-                    VllmCore::new(*w, cfg.backend, cfg.vllm.clone())
+                    VllmCore::new(*w, cfg.backend, cfg.vllm_for(w.role).clone())
                         .map_err(|e| ConfigError::Invalid(format!("vllm: {e}")))?,
                 ),
                 Backend::Sglang => Box::new(
-                    SglangCore::new(*w, cfg.sglang.clone())
+                    SglangCore::new(*w, cfg.sglang_for(w.role).clone())
                         .map_err(|e| ConfigError::Invalid(format!("sglang: {e}")))?,
                 ),
             };
             let shape = core.shape();
+            if block_size != 0 && shape.block_size != block_size {
+                return Err(ConfigError::Invalid(format!(
+                    "{w}: block size {} differs from other workers' {block_size}; KV-aware routing and transfers need one block size",
+                    shape.block_size
+                ))
+                .into());
+            }
             block_size = shape.block_size;
             let header = header(run_id, *w, &cfg, policy, shape);
             metrics.add_stream(&header);
