@@ -331,3 +331,30 @@ fn a_lone_stream_file_reads_as_a_run_of_one() {
     assert_eq!(hs[0].worker, WorkerId::decode(2));
     assert_eq!(recs, vec![(0, Record { seq: 0, at_ns: 3, fact: Fact::KvCleared })]);
 }
+
+#[test]
+fn workers_can_be_declared_after_create() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut rw = RunWriter::create(tmp.path(), []).unwrap();
+    rw.declare(header(4, WorkerId::decode(1))).unwrap();
+    rw.append(WorkerId::decode(1), 10, &Fact::KvCleared).unwrap();
+    rw.declare(header(4, WorkerId::prefill(0))).unwrap();
+    assert!(matches!(
+        rw.declare(header(5, WorkerId::prefill(2))),
+        Err(LogError::RunIdMismatch { .. })
+    ));
+    assert!(matches!(
+        rw.declare(header(4, WorkerId::decode(1))),
+        Err(LogError::DuplicateWorker { .. })
+    ));
+    let router1 = WorkerId { role: Role::Router, index: 1, dp_rank: 0 };
+    assert!(matches!(rw.declare(header(4, router1)), Err(LogError::WorkerMismatch { .. })));
+    let files = rw.finish().unwrap();
+    assert_eq!(files.len(), 2);
+    let (hs, recs) = read_run(tmp.path());
+    assert_eq!(
+        hs.iter().map(|h| h.worker).collect::<Vec<_>>(),
+        [WorkerId::prefill(0), WorkerId::decode(1)]
+    );
+    assert_eq!(recs, vec![(1, Record { seq: 0, at_ns: 10, fact: Fact::KvCleared })]);
+}

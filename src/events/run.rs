@@ -36,7 +36,9 @@ use super::codec;
 use super::error::LogError;
 use super::frame::{self, FrameReader, TornTail, FRAME_PREFIX_BYTES, MAX_RECORD_BYTES};
 use super::reader::{fixed8, truncate, StreamReader};
-use super::writer::{StreamWriter, FILE_BUFFER_BYTES, STREAM_RECORD_FIXED_BYTES};
+use super::writer::{
+    StreamWriter, FILE_BUFFER_BYTES, RUN_STREAM_BUFFER_BYTES, STREAM_RECORD_FIXED_BYTES,
+};
 use super::{Fact, Record, StreamHeader, MAGIC};
 use crate::ids::{HandoffId, WorkerId};
 use std::cmp::{Ordering, Reverse};
@@ -205,7 +207,8 @@ impl RunReader {
         found.sort();
         let mut readers = Vec::with_capacity(found.len());
         for (named, p) in found {
-            let r = StreamReader::open(&p)?;
+            let file = File::open(&p).map_err(|e| LogError::io(&p, e))?;
+            let r = StreamReader::new(BufReader::with_capacity(RUN_STREAM_BUFFER_BYTES, file), &p)?;
             let h = r.header();
             if h.worker != named {
                 return Err(LogError::WorkerMismatch { path: p, named, found: h.worker });
@@ -535,39 +538,13 @@ pub struct RunWriter {
 
 impl RunWriter {
     /// Prepares a run in `dir` (created if missing) for the workers of `headers`, which must
-    /// share one run id and name distinct workers. Refuses a directory that already holds
-    /// `.hlog` streams, so two runs are never mixed.
+    /// share one run id and name distinct workers (more can be declared later). Refuses a
+    /// directory that already holds `.hlog` streams, so two runs are never mixed.
     pub fn create(
         dir: impl AsRef<Path>,
         headers: impl IntoIterator<Item = StreamHeader>,
     ) -> Result<Self, LogError> {
         let dir = dir.as_ref();
-        let mut map: BTreeMap<WorkerId, StreamHeader> = BTreeMap::new();
-        let mut run_id = None;
-        for h in headers {
-            let path = dir.join(stream_file_name(h.worker));
-            // The file name must read back as the same worker (the router has one spelling).
-            let named = h.worker.to_string().parse::<WorkerId>().unwrap_or(WorkerId::ROUTER);
-            if named != h.worker {
-                return Err(LogError::WorkerMismatch { path, named, found: h.worker });
-            }
-            let expected = *run_id.get_or_insert(h.run_id);
-            if h.run_id != expected {
-                return Err(LogError::RunIdMismatch {
-                    path,
-                    worker: h.worker,
-                    expected,
-                    found: h.run_id,
-                });
-            }
-            if map.contains_key(&h.worker) {
-                return Err(LogError::DuplicateWorker { path, worker: h.worker });
-            }
-            map.insert(h.worker, h);
-        }
-        if map.is_empty() {
-            return Err(LogError::EmptyRun { path: dir.into() });
-        }
         fs::create_dir_all(dir).map_err(|e| LogError::io(dir, e))?;
         for entry in fs::read_dir(dir).map_err(|e| LogError::io(dir, e))? {
             let p = entry.map_err(|e| LogError::io(dir, e))?.path();
@@ -578,7 +555,40 @@ impl RunWriter {
                 });
             }
         }
-        Ok(RunWriter { dir: dir.to_path_buf(), headers: map, streams: BTreeMap::new() })
+        let mut run = RunWriter {
+            dir: dir.to_path_buf(),
+            headers: BTreeMap::new(),
+            streams: BTreeMap::new(),
+        };
+        for h in headers {
+            run.declare(h)?;
+        }
+        Ok(run)
+    }
+
+    /// Adds a worker to the run; its file is created on first use (or at `finish`).
+    pub fn declare(&mut self, header: StreamHeader) -> Result<(), LogError> {
+        let path = self.dir.join(stream_file_name(header.worker));
+        // The file name must read back as the same worker (the router has one spelling).
+        let named = header.worker.to_string().parse::<WorkerId>().unwrap_or(WorkerId::ROUTER);
+        if named != header.worker {
+            return Err(LogError::WorkerMismatch { path, named, found: header.worker });
+        }
+        if let Some(first) = self.headers.values().next() {
+            if header.run_id != first.run_id {
+                return Err(LogError::RunIdMismatch {
+                    path,
+                    worker: header.worker,
+                    expected: first.run_id,
+                    found: header.run_id,
+                });
+            }
+        }
+        if self.headers.contains_key(&header.worker) {
+            return Err(LogError::DuplicateWorker { path, worker: header.worker });
+        }
+        self.headers.insert(header.worker, header);
+        Ok(())
     }
 
     pub fn dir(&self) -> &Path {
@@ -602,7 +612,11 @@ impl RunWriter {
                 let Some(header) = self.headers.get(&worker) else {
                     return Err(LogError::UnknownWorker { path: self.dir.clone(), worker });
                 };
-                let w = StreamWriter::create(self.dir.join(stream_file_name(worker)), header)?;
+                let w = StreamWriter::create_with_buffer(
+                    &self.dir.join(stream_file_name(worker)),
+                    header,
+                    RUN_STREAM_BUFFER_BYTES,
+                )?;
                 Ok(e.insert(w))
             }
         }

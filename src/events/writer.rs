@@ -19,6 +19,9 @@ use std::path::{Path, PathBuf};
 /// thousands of small records.
 pub(crate) const FILE_BUFFER_BYTES: usize = 1 << 20;
 
+/// Per-stream buffer when a run holds many streams open at once (memory = streams x this).
+pub(crate) const RUN_STREAM_BUFFER_BYTES: usize = 128 << 10;
+
 /// Bytes of a stream record body before the fact: seq(u64) + at_ns(u64).
 pub(crate) const STREAM_RECORD_FIXED_BYTES: usize = 16;
 
@@ -149,9 +152,18 @@ impl<W: Write> StreamWriter<W> {
 impl StreamWriter<BufWriter<File>> {
     /// Creates (or truncates) the file at `path` and writes the header.
     pub fn create(path: impl AsRef<Path>, header: &StreamHeader) -> Result<Self, LogError> {
-        let path = path.as_ref();
+        Self::create_with_buffer(path.as_ref(), header, FILE_BUFFER_BYTES)
+    }
+
+    /// Like [`StreamWriter::create`] with a chosen buffer size (a run writes many streams at
+    /// once and keeps each buffer smaller).
+    pub(crate) fn create_with_buffer(
+        path: &Path,
+        header: &StreamHeader,
+        buffer_bytes: usize,
+    ) -> Result<Self, LogError> {
         let file = File::create(path).map_err(|e| LogError::io(path, e))?;
-        Self::new_named(BufWriter::with_capacity(FILE_BUFFER_BYTES, file), header, path)
+        Self::new_named(BufWriter::with_capacity(buffer_bytes, file), header, path)
     }
 
     /// Reopens an existing stream to continue it (a restarted live worker). Reads and validates
