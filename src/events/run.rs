@@ -475,11 +475,37 @@ pub struct MergeSummary {
 }
 
 /// Writes the run at `run_path` (any layout) as one merged file at `out_path`, in merge order.
+///
+/// The file is written under a temporary name beside `out_path` and renamed into place only
+/// when complete, so a failed merge never leaves a cut-short file that would read as a run with
+/// a torn tail (silently missing records).
 pub fn write_merged(
     run_path: impl AsRef<Path>,
     out_path: impl AsRef<Path>,
 ) -> Result<MergeSummary, LogError> {
     let out_path = out_path.as_ref();
+    let mut tmp_name = out_path.as_os_str().to_owned();
+    tmp_name.push(".partial");
+    let tmp_path = PathBuf::from(tmp_name);
+    let result = write_merged_to(run_path.as_ref(), &tmp_path, out_path);
+    match result {
+        Ok(summary) => {
+            fs::rename(&tmp_path, out_path).map_err(|e| LogError::io(out_path, e))?;
+            Ok(summary)
+        }
+        Err(e) => {
+            // Best effort: the error being reported matters more than a leftover temp file.
+            let _ = fs::remove_file(&tmp_path);
+            Err(e)
+        }
+    }
+}
+
+fn write_merged_to(
+    run_path: &Path,
+    tmp_path: &Path,
+    out_path: &Path,
+) -> Result<MergeSummary, LogError> {
     let mut run = RunReader::open(run_path)?;
     if run.headers().len() > u16::MAX as usize {
         return Err(LogError::TooManyStreams {
@@ -488,8 +514,8 @@ pub fn write_merged(
             max: u16::MAX as usize,
         });
     }
-    let io = |e| LogError::io(out_path, e);
-    let file = File::create(out_path).map_err(io)?;
+    let io = |e| LogError::io(tmp_path, e);
+    let file = File::create(tmp_path).map_err(io)?;
     let mut out = BufWriter::with_capacity(FILE_BUFFER_BYTES, file);
     let mut scratch = Vec::with_capacity(1024);
     frame::write_prelude(&mut scratch, &RUN_MAGIC, RUN_FORMAT_VERSION);
