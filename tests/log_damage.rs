@@ -377,3 +377,38 @@ fn verify_counts_records_and_distinct_handoffs() {
     assert_eq!(s.last_at_ns, Some(facts.last().unwrap().0));
     assert_eq!(s.bytes, bytes.len() as u64);
 }
+
+mod no_panic {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+        /// Arbitrary damage (overwritten bytes, garbage appended, cuts) never panics: every
+        /// outcome is records, a clean end, a torn tail, or a typed error.
+        #[test]
+        fn arbitrary_damage_never_panics(
+            edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..6),
+            tail in prop::collection::vec(any::<u8>(), 0..64),
+            cut in any::<prop::sample::Index>(),
+        ) {
+            let (mut bytes, _) = sample();
+            for (i, b) in edits {
+                let at = i.index(bytes.len());
+                bytes[at] = b;
+            }
+            bytes.extend_from_slice(&tail);
+            let keep = cut.index(bytes.len() + 1);
+            bytes.truncate(keep);
+            let (recs, end) = read_all(&bytes);
+            if let Err(e) = &end {
+                // Errors point inside the file.
+                if let Some(off) = e.offset() {
+                    prop_assert!(off <= bytes.len() as u64, "{e}");
+                }
+            }
+            prop_assert!(recs.len() <= golden_facts().len() + tail.len());
+        }
+    }
+}
