@@ -101,13 +101,22 @@ impl Router {
         self.block_size
     }
 
+    /// Whether selection consults the KV index (KV mode only). In the other modes
+    /// [`Router::observe`] skips the index entirely, so routing costs nothing per stored block.
+    pub fn uses_index(&self) -> bool {
+        matches!(self.mode, RouterMode::KvAware { .. })
+    }
+
     /// Folds a KV fact (`KvStored` / `KvRemoved` / `KvCleared`) from one of this router's
-    /// workers into its index. Facts from other workers, and other facts, are ignored.
+    /// workers into its index. Facts from other workers, other facts, and every fact when the
+    /// mode does not use the index, are ignored.
     pub fn observe(&mut self, worker: WorkerId, fact: &Fact) {
-        if matches!(
-            fact,
-            Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared
-        ) && self.workers.binary_search(&worker).is_ok()
+        if self.uses_index()
+            && matches!(
+                fact,
+                Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared
+            )
+            && self.workers.binary_search(&worker).is_ok()
         {
             self.index.apply(worker, fact);
         }
@@ -124,7 +133,7 @@ impl Router {
 
     /// Picks a worker for `request`. Prompt hashes are computed only in KV mode.
     pub fn select(&mut self, request: &Request) -> Selection {
-        if matches!(self.mode, RouterMode::KvAware { .. }) {
+        if self.uses_index() {
             let hashes = request.prompt_block_hashes(self.block_size);
             self.select_with_hashes(request.input_tokens, &hashes)
         } else {
