@@ -6,6 +6,26 @@
 //! [`Fact`] the adapter appends to the router's stream (stamped with the adapter's time). All
 //! randomness comes from a ChaCha8 stream seeded at construction, so the same calls give the
 //! same choices and the same facts.
+//!
+//! ## How a replay drives the two stage routers (the proposal's accounting table)
+//! | lifecycle event | prefill router | decode router |
+//! | --- | --- | --- |
+//! | prefill dispatched | `select`, then `book_prefill(req, w, uncached prompt tokens, blocks)` | — |
+//! | prefill compute completed | `prefill_compute_done(req)` (compute load drops) | — |
+//! | source pinned | booking stays | — |
+//! | decode routed | — | `select`, then `book_decode(req, w, blocks)` |
+//! | destination reserved / receive completed | — | booking stays |
+//! | source released (reader completion, lease expiry, cancel) | `free_prefill(req)` | — |
+//! | request terminal (completed, rejected, failed, canceled) | `free_prefill(req)` (no-op if already freed) | `free_decode(req, status)` |
+//!
+//! The reference books a disaggregated prefill as a request with one output token, so a
+//! natural `blocks` for `book_prefill` is `prompt_blocks(input_tokens + 1)`; for `book_decode`,
+//! the blocks the request will occupy on the decode worker. The router does not decide either:
+//! the caller passes them, and the facts record them. Every free is idempotent, so a terminal
+//! cleanup path can free both bookings unconditionally.
+//!
+//! Selection cost counts all booked blocks on a worker (prefill + decode bookings); a stage
+//! router only ever holds one kind.
 
 pub mod bookings;
 pub mod index;
