@@ -117,8 +117,15 @@ proptest! {
     /// size is exactly the (hash, worker) pairs held.
     #[test]
     fn overlap_matches_a_brute_force_model(ops in prop::collection::vec(ix_op(), 0..40),
-                                           chains in prop::collection::vec(prop::collection::vec(0u64..12, 0..8), 1..5)) {
+                                           chains in prop::collection::vec(prop::collection::vec(0u64..12, 0..8), 1..5),
+                                           padding in prop_oneof![Just(0u32), Just(62u32)]) {
         let mut ix = KvIndex::new();
+        // With padding, 62 other workers are seen first, so the four under test straddle the
+        // index's 64-slot bitmask boundary (slots 62..66).
+        for i in 0..padding {
+            ix.apply(d(i), &stored(&[1000]));
+            ix.apply(d(i), &removed(&[1000]));
+        }
         let mut model: BTreeMap<WorkerId, BTreeSet<BlockHash>> = BTreeMap::new();
         for op in &ops {
             match op {

@@ -6,7 +6,7 @@ use handoff_ledger::adapters::replay::trace::{
 };
 use handoff_ledger::ids::RequestId;
 use handoff_ledger::schedulers::request::{Request, TRACE_BLOCK_SIZE};
-use std::io::Cursor;
+use std::io::{Cursor, Read};
 use std::path::{Path, PathBuf};
 
 fn fixture(name: &str) -> PathBuf {
@@ -448,4 +448,50 @@ fn json_errors_give_the_column_not_a_confusing_inner_line() {
         got,
         "inline.jsonl:1: bad JSON: invalid type: string \"x\", expected u64 (column 78)"
     );
+}
+
+#[test]
+fn crlf_line_ends_and_a_byte_order_mark_are_accepted() {
+    let text = "\u{feff}{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 1}\r\n\r\n{\"timestamp\": 2, \"input_length\": 6, \"output_length\": 1}\r\n";
+    let r: Vec<_> = TraceReader::new(Cursor::new(text), "w.jsonl", TraceOptions::default())
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!((r.len(), r[1].line, r[1].input_tokens), (2, 3, 6));
+    let csv = "\u{feff}TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:15:46.5,300,7\r\n";
+    let r: Vec<_> = TraceReader::new(Cursor::new(csv), "w.csv", TraceOptions::default())
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(
+        (r.len(), r[0].input_tokens, r[0].output_tokens),
+        (1, 300, 7)
+    );
+}
+
+#[test]
+fn an_overlong_line_is_an_error_not_an_allocation() {
+    use handoff_ledger::adapters::replay::trace::MAX_LINE_BYTES;
+    // A "line" of MAX + 10 bytes with no newline, produced lazily.
+    let body = std::io::repeat(b' ').take(MAX_LINE_BYTES as u64 + 10);
+    let src = std::io::BufReader::new(std::io::Read::chain(
+        &b"{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 1}\n"[..],
+        body,
+    ));
+    let mut r = TraceReader::new(
+        src,
+        "big.jsonl",
+        TraceOptions {
+            format: Some(TraceFormat::Mooncake),
+            speedup: 1.0,
+        },
+    )
+    .unwrap();
+    assert!(r.next().unwrap().is_ok());
+    let e = r.next().unwrap().unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!("big.jsonl:2: line is longer than {MAX_LINE_BYTES} bytes")
+    );
+    assert!(r.next().is_none());
 }

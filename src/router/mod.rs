@@ -6,6 +6,26 @@
 //! [`Fact`] the adapter appends to the router's stream (stamped with the adapter's time). All
 //! randomness comes from a ChaCha8 stream seeded at construction, so the same calls give the
 //! same choices and the same facts.
+//!
+//! ## How a replay drives the two stage routers (the proposal's accounting table)
+//! | lifecycle event | prefill router | decode router |
+//! | --- | --- | --- |
+//! | prefill dispatched | `select`, then `book_prefill(req, w, uncached prompt tokens, blocks)` | — |
+//! | prefill compute completed | `prefill_compute_done(req)` (compute load drops) | — |
+//! | source pinned | booking stays | — |
+//! | decode routed | — | `select`, then `book_decode(req, w, blocks)` |
+//! | destination reserved / receive completed | — | booking stays |
+//! | source released (reader completion, lease expiry, cancel) | `free_prefill(req)` | — |
+//! | request terminal (completed, rejected, failed, canceled) | `free_prefill(req)` (no-op if already freed) | `free_decode(req, status)` |
+//!
+//! The reference books a disaggregated prefill as a request with one output token, so a
+//! natural `blocks` for `book_prefill` is `prompt_blocks(input_tokens + 1)`; for `book_decode`,
+//! the blocks the request will occupy on the decode worker. The router does not decide either:
+//! the caller passes them, and the facts record them. Every free is idempotent, so a terminal
+//! cleanup path can free both bookings unconditionally.
+//!
+//! Selection cost counts all booked blocks on a worker (prefill + decode bookings); a stage
+//! router only ever holds one kind.
 
 pub mod bookings;
 pub mod index;
@@ -101,13 +121,22 @@ impl Router {
         self.block_size
     }
 
+    /// Whether selection consults the KV index (KV mode only). In the other modes
+    /// [`Router::observe`] skips the index entirely, so routing costs nothing per stored block.
+    pub fn uses_index(&self) -> bool {
+        matches!(self.mode, RouterMode::KvAware { .. })
+    }
+
     /// Folds a KV fact (`KvStored` / `KvRemoved` / `KvCleared`) from one of this router's
-    /// workers into its index. Facts from other workers, and other facts, are ignored.
+    /// workers into its index. Facts from other workers, other facts, and every fact when the
+    /// mode does not use the index, are ignored.
     pub fn observe(&mut self, worker: WorkerId, fact: &Fact) {
-        if matches!(
-            fact,
-            Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared
-        ) && self.workers.binary_search(&worker).is_ok()
+        if self.uses_index()
+            && matches!(
+                fact,
+                Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared
+            )
+            && self.workers.binary_search(&worker).is_ok()
         {
             self.index.apply(worker, fact);
         }
@@ -124,7 +153,7 @@ impl Router {
 
     /// Picks a worker for `request`. Prompt hashes are computed only in KV mode.
     pub fn select(&mut self, request: &Request) -> Selection {
-        if matches!(self.mode, RouterMode::KvAware { .. }) {
+        if self.uses_index() {
             let hashes = request.prompt_block_hashes(self.block_size);
             self.select_with_hashes(request.input_tokens, &hashes)
         } else {

@@ -33,7 +33,8 @@
 //!   turn arrives `delay` ms after its previous turn *completes* — needs completion feedback from
 //!   the replay and is not applied here.
 //! * Blank lines (whitespace only) are skipped but still counted, so line numbers match an
-//!   editor's.
+//!   editor's. CRLF line ends and a leading UTF-8 byte-order mark are accepted. A line longer
+//!   than [`MAX_LINE_BYTES`] is an error.
 //! * The first error ends the stream: the iterator yields it and then `None`.
 
 use crate::ids::RequestId;
@@ -41,7 +42,7 @@ use crate::schedulers::request::{Request, TRACE_BLOCK_SIZE};
 use serde::Deserialize;
 use std::fmt;
 use std::fs::File;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -149,6 +150,11 @@ impl TraceRequest {
         }
     }
 }
+
+/// The longest line a trace may have. The longest line of the public conversation trace is about
+/// 2 KB (247 hash ids); 16 MiB leaves room for traces that carry prompt text, while bounding what
+/// one line can make the reader hold.
+pub const MAX_LINE_BYTES: usize = 16 << 20;
 
 /// Streams [`TraceRequest`]s from any buffered reader.
 pub struct TraceReader<R> {
@@ -261,7 +267,11 @@ impl<R: BufRead> TraceReader<R> {
                 return Ok(None);
             }
             self.buf.clear();
-            let n = match self.input.read_line(&mut self.buf) {
+            // Bounded read: a file with no newlines must not be pulled into memory whole.
+            let n = match (&mut self.input)
+                .take(MAX_LINE_BYTES as u64 + 1)
+                .read_line(&mut self.buf)
+            {
                 Ok(n) => n,
                 Err(e) => {
                     self.line += 1;
@@ -278,6 +288,13 @@ impl<R: BufRead> TraceReader<R> {
                 return Ok(None);
             }
             self.line += 1;
+            if self.buf.len() > MAX_LINE_BYTES {
+                return Err(self.error(format!("line is longer than {MAX_LINE_BYTES} bytes")));
+            }
+            // A byte-order mark (files saved by some Windows tools) is not part of the content.
+            if self.line == 1 && self.buf.starts_with('\u{feff}') {
+                self.buf.drain(..'\u{feff}'.len_utf8());
+            }
             if self.buf.trim().is_empty() {
                 continue;
             }
@@ -383,7 +400,11 @@ fn format_from_extension(path: &Path) -> Option<TraceFormat> {
 fn sniff_format<R: BufRead>(input: &mut R) -> Result<TraceFormat, String> {
     let head = input.fill_buf().map_err(|e| format!("read error: {e}"))?;
     let text = String::from_utf8_lossy(head);
-    let first = text.lines().map(str::trim).find(|l| !l.is_empty());
+    let first = text
+        .trim_start_matches('\u{feff}')
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty());
     match first {
         Some(l) if l.starts_with('{') => Ok(TraceFormat::Mooncake),
         Some(l) if l.to_ascii_uppercase().contains("TIMESTAMP") => Ok(TraceFormat::AzureCsv),
