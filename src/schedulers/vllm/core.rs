@@ -36,7 +36,7 @@
 //! requests, duplicate-hash adoption), `KvStored` for newly full blocks, then per request
 //! `FirstTokenEmitted`, `SourcePinned` or `RequestFinished`, then any reservation retry.
 
-use super::block_pool::{BlockId, BlockPool, Owner};
+use super::block_pool::{BlockId, BlockPool, IntBuild, Owner};
 use super::config::{ConfigError, VllmConfig};
 use crate::events::{BlockHash, EngineShape, Fact, KvDelta, RejectReason, TerminalStatus};
 use crate::ids::{
@@ -116,6 +116,7 @@ enum Dst {
 }
 
 /// The vLLM-like core. See the module docs.
+#[derive(Clone)]
 pub struct VllmCore {
     worker: WorkerId,
     backend: Backend,
@@ -123,9 +124,9 @@ pub struct VllmCore {
     shape: EngineShape,
     pool: BlockPool,
     /// Requests in waiting or running, by id (lookup only).
-    seqs: HashMap<RequestId, Seq>,
+    seqs: HashMap<RequestId, Seq, IntBuild>,
     /// Request ids this core holds in any form (seqs, pending or reserved destinations).
-    live: HashSet<RequestId>,
+    live: HashSet<RequestId, IntBuild>,
     waiting: VecDeque<RequestId>,
     /// In scheduling order; the last one is preempted first (LIFO).
     running: Vec<RequestId>,
@@ -165,8 +166,8 @@ impl VllmCore {
             cfg: config,
             shape,
             pool: BlockPool::new(config.num_gpu_blocks),
-            seqs: HashMap::new(),
-            live: HashSet::new(),
+            seqs: HashMap::default(),
+            live: HashSet::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             sources: BTreeMap::new(),
@@ -243,6 +244,11 @@ impl VllmCore {
             return;
         }
         let bs = self.bs();
+        // Most decode steps fill no block: check before taking the request out of the map.
+        match self.seqs.get(&id) {
+            Some(s) if s.hashed < ((s.computed / bs) as usize).min(s.blocks.len()) => {}
+            _ => return,
+        }
         let Some(mut s) = self.seqs.remove(&id) else { return };
         let full = ((s.computed / bs) as usize).min(s.blocks.len());
         let mut run: Option<(Option<BlockHash>, Vec<BlockHash>)> = None;
@@ -288,8 +294,16 @@ impl VllmCore {
     /// Ends a request in waiting or running (cancel, completion): releases its blocks to the
     /// cache, returns its slot if running, and forgets its handoff registration.
     fn end_request(&mut self, id: RequestId, status: TerminalStatus, fx: &mut Effects) {
+        self.end_request_inner(id, status, fx, false);
+    }
+
+    /// `in_step`: the caller knows the request is running and removes ended requests from the
+    /// running list in one pass afterwards (keeps a step O(running) however many finish).
+    fn end_request_inner(&mut self, id: RequestId, status: TerminalStatus, fx: &mut Effects, in_step: bool) {
         let Some(s) = self.seqs.remove(&id) else { return };
-        let was_running = if let Some(pos) = self.running.iter().position(|r| *r == id) {
+        let was_running = if in_step {
+            true
+        } else if let Some(pos) = self.running.iter().rposition(|r| *r == id) {
             self.running.remove(pos);
             true
         } else {
@@ -322,7 +336,7 @@ impl VllmCore {
     fn preempt(&mut self, id: RequestId, fx: &mut Effects, step_acc: &mut KvDelta) {
         *step_acc = step_acc.plus(self.pool.take_delta());
         let Some(mut s) = self.seqs.remove(&id) else { return };
-        if let Some(pos) = self.running.iter().position(|r| *r == id) {
+        if let Some(pos) = self.running.iter().rposition(|r| *r == id) {
             self.running.remove(pos);
         }
         self.release_all(&s.blocks, Owner::Active);
@@ -1047,7 +1061,10 @@ impl EngineCore for VllmCore {
                     self.sources.insert(handoff, Src::Pinned { lease, blocks: s.blocks });
                     self.pinned += 1;
                 }
-                _ if done => self.end_request(id, TerminalStatus::Completed, &mut fx),
+                _ if done => {
+                    self.end_request_inner(id, TerminalStatus::Completed, &mut fx, true);
+                    left_running = true;
+                }
                 _ => {}
             }
         }
