@@ -528,3 +528,21 @@ fn activation_of_a_single_token_request_completes_at_once() {
     assert_eq!(d.count("RequestFinished"), 1);
     assert!(matches!(d.core.activate_destination(hid(1), 0).outcome, Err(CommandError::UnknownHandoff(_))));
 }
+
+/// Liveness: activated destinations holding the whole pool while waiting must not deadlock the
+/// head of the queue (each needs one more block for its first decode).
+#[test]
+fn waiting_requests_holding_all_kv_still_drain() {
+    let mut d = Harness::new(small(8, 16));
+    for i in 0..2u64 {
+        let h = hid(i as u128);
+        d.run("reserve", |c, now| c.reserve_destination(h, req(i, 64, 10, &[50 + i]), 0, now)).unwrap();
+        d.run("activate", |c, now| c.activate_destination(h, now)).unwrap();
+    }
+    let s = d.core.snapshot();
+    assert_eq!((s.active_blocks, s.free_blocks + s.cached_free_blocks), (8, 0));
+    assert_eq!(d.core.view().waiting, 2);
+    d.step_until(200, |d| d.core.is_drained());
+    assert_eq!(d.count("RequestFinished"), 2);
+    assert!(d.count("RequestPreempted") >= 1, "the forced admission was preempted to free KV");
+}

@@ -436,6 +436,37 @@ impl VllmCore {
         Some((chunk, true))
     }
 
+    /// See step 3 of [`EngineCore::step`]: only called with nothing running or scheduled.
+    fn unblock(
+        &mut self,
+        fx: &mut Effects,
+        step_acc: &mut KvDelta,
+        budget: u64,
+        scheduled: &mut Vec<(RequestId, u64, bool)>,
+    ) {
+        let with_kv: Vec<(usize, RequestId)> = self
+            .waiting
+            .iter()
+            .enumerate()
+            .filter(|(_, id)| self.seqs.get(id).map(|s| !s.blocks.is_empty()).unwrap_or(false))
+            .map(|(i, id)| (i, *id))
+            .collect();
+        for &(pos, id) in &with_kv {
+            if let Some((tokens, prefill)) = self.try_admit(id, budget, fx, step_acc) {
+                self.waiting.remove(pos);
+                self.running.push(id);
+                scheduled.push((id, tokens, prefill));
+                return;
+            }
+        }
+        if let Some(&(pos, id)) = with_kv.first() {
+            self.waiting.remove(pos);
+            self.running.push(id);
+            let cached_tokens = self.seqs.get(&id).map(|s| s.computed).unwrap_or(0);
+            fx.facts.push(Fact::RequestScheduled { request: id, cached_tokens, kv: slots(1) });
+        }
+    }
+
     /// Allocates `need` fresh blocks for a running request's growth (delta into the step).
     fn grow(&mut self, id: RequestId, need: u64, fx: &mut Effects, step_acc: &mut KvDelta) {
         let mut fresh = Vec::with_capacity(need as usize);
@@ -969,13 +1000,21 @@ impl EngineCore for VllmCore {
             }
         }
 
+        // 3. Liveness: nothing runs and the head is blocked. Waiting requests that hold KV
+        // (activated destinations) can only give it back by running, so the first of them that
+        // fits bypasses the head; if none fits, the first is admitted without compute and the
+        // next step's LIFO preemption returns its blocks to the cache.
+        if !preempted && self.running.is_empty() && scheduled.is_empty() && budget > 0 {
+            self.unblock(&mut fx, &mut step_acc, budget, &mut scheduled);
+        }
+
         if scheduled.is_empty() {
             // Nothing runnable now (empty, or the head waits for capacity held elsewhere).
             self.retry_pending(&mut fx);
             return StepOutput { effects: fx, duration_ns: 0 };
         }
 
-        // 3. Compute: advance tokens, hash and publish newly full blocks.
+        // 4. Compute: advance tokens, hash and publish newly full blocks.
         let mut prefill_tokens = 0u64;
         let mut decode_tokens = 0u64;
         let mut produced: Vec<RequestId> = Vec::new();
@@ -1016,7 +1055,7 @@ impl EngineCore for VllmCore {
         });
         Self::push_stored(&mut fx, runs);
 
-        // 4. Tokens produced: first tokens, pins, completions.
+        // 5. Tokens produced: first tokens, pins, completions.
         let end_ns = at_ns.saturating_add(duration_ns);
         let mut left_running = false;
         for id in produced {
