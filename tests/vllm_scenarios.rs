@@ -362,7 +362,7 @@ fn cancel_in_every_state_returns_everything_once() {
         d.count("DestinationReserved"),
         d.count("ReservationReleased") + d.count("DestinationActivated")
     );
-    assert_eq!(d.count("ReservationQueued"), d.count("ReservationDequeued") + 0);
+    assert_eq!(d.count("ReservationQueued"), d.count("ReservationDequeued"));
 }
 
 #[test]

@@ -30,6 +30,22 @@
 //! unreferenced) moved since the head's last attempt. A later reservation never overtakes a
 //! queued one.
 //!
+//! ## Queues and their bounds
+//! * waiting: `max_waiting_requests`; a submit beyond it gets `RequestRejected{NoCapacity}` +
+//!   `Rejected` output and `Ok(Unavailable)`. Preempted requests (front) and activated
+//!   destinations (back) always re-enter: they were admitted already.
+//! * running: `max_num_seqs` (one request slot each).
+//! * pending reservations: `max_pending_reservations`; beyond it `Err(InvalidState)`.
+//! * A second live request with the same id is refused with `Err(InvalidState)`; for plain
+//!   `submit` the error names the nil handoff id (the contract has no request-level variant).
+//!
+//! ## Liveness
+//! Admission is FIFO and stops at the first waiting request that does not fit (vLLM's
+//! head-of-line blocking). One exception: when nothing is running, waiting requests that hold KV
+//! (activated destinations) may bypass a blocked head, because only running them releases their
+//! KV; if none fits, the first is admitted without compute and the next step's LIFO preemption
+//! returns its blocks to the cache. KV held by pins and reservations is released only by commands.
+//!
 //! ## Facts of a step (all observed at `at_ns + duration_ns`)
 //! `RequestPreempted` / `RequestScheduled` (with `KvRemoved` before any fact whose allocation
 //! evicted) in scheduling order, then `StepExecuted` (decode growth, prefill chunks of running
