@@ -546,3 +546,51 @@ fn waiting_requests_holding_all_kv_still_drain() {
     assert_eq!(d.count("RequestFinished"), 2);
     assert!(d.count("RequestPreempted") >= 1, "the forced admission was preempted to free KV");
 }
+
+#[test]
+fn chunked_prefill_splits_by_budget_and_first_token_comes_with_the_last_chunk() {
+    let cfg = VllmConfig { max_num_batched_tokens: 256, ..small(128, 16) };
+    let mut d = Harness::new(cfg);
+    d.run("submit", |c, now| c.submit(req(1, 1000, 3, &[1, 2]), now)).unwrap();
+    let mut chunks = Vec::new();
+    let mut first_at = None;
+    for i in 0..6 {
+        let out = d.step();
+        for f in &out.effects.facts {
+            match f {
+                Fact::StepExecuted { prefill_tokens, .. } if *prefill_tokens > 0 => {
+                    chunks.push(*prefill_tokens)
+                }
+                Fact::FirstTokenEmitted { .. } => first_at = Some(i),
+                _ => {}
+            }
+        }
+    }
+    assert_eq!(chunks, vec![256, 256, 256, 232]);
+    assert_eq!(first_at, Some(3));
+    // Without chunking the whole prompt runs in one (over-budget) step.
+    let cfg = VllmConfig { max_num_batched_tokens: 256, enable_chunked_prefill: false, ..small(128, 16) };
+    let mut d = Harness::new(cfg);
+    d.run("submit", |c, now| c.submit(req(1, 1000, 3, &[1, 2]), now)).unwrap();
+    let out = d.step();
+    assert!(out.effects.facts.iter().any(|f| matches!(f, Fact::StepExecuted { prefill_tokens: 1000, .. })));
+}
+
+#[test]
+fn decode_grown_blocks_are_hashed_published_and_cached() {
+    use handoff_ledger::schedulers::request::decode_block_hash;
+    let mut d = Harness::new(small(32, 16));
+    let r = req(7, 64, 40, &[3]);
+    let prompt = r.prompt_block_hashes(16);
+    d.run("submit", |c, now| c.submit(r.clone(), now)).unwrap();
+    d.step_until(100, |d| d.core.is_drained());
+    // KV holds 64 + 39 tokens: 6 full blocks (4 prompt + 2 decode) and one partial.
+    let mut expected = prompt.clone();
+    for b in 4..6u32 {
+        let parent = expected[b as usize - 1];
+        expected.push(decode_block_hash(parent, RequestId(7), b));
+    }
+    assert_eq!(d.stored_hashes(), expected);
+    let s = d.core.snapshot();
+    assert_eq!((s.cached_free_blocks, s.free_blocks), (6, 26));
+}
