@@ -27,6 +27,31 @@ use crate::events::{BlockHash, KvDelta};
 use crate::projections::capacity::KvCapacitySnapshot;
 use std::collections::HashMap;
 
+/// A hasher for keys that are single integers (block hashes, request ids). SipHash's DoS
+/// resistance buys nothing in a simulator and costs most of a decode step's time; a multiply-
+/// xorshift finalizer spreads sequential ids as well. Deterministic (no random state), and only
+/// used for lookups that are never iterated into output.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct IntHasher(u64);
+
+impl std::hash::Hasher for IntHasher {
+    fn finish(&self) -> u64 {
+        let z = self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        z ^ (z >> 29)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = self.0.rotate_left(32) ^ n;
+    }
+}
+
+/// `BuildHasher` for [`IntHasher`].
+pub type IntBuild = std::hash::BuildHasherDefault<IntHasher>;
+
 /// Index of a physical block.
 pub type BlockId = u32;
 
@@ -87,7 +112,7 @@ pub struct PoolError(pub String);
 pub struct BlockPool {
     blocks: Vec<Block>,
     /// hash → canonical block. Pure lookup, never iterated into output.
-    by_hash: HashMap<BlockHash, BlockId>,
+    by_hash: HashMap<BlockHash, BlockId, IntBuild>,
     /// Plain free blocks (no hash), used as a stack.
     free: Vec<BlockId>,
     lru_head: u32,
@@ -152,7 +177,7 @@ impl BlockPool {
         let free: Vec<BlockId> = (0..total).rev().collect();
         BlockPool {
             blocks,
-            by_hash: HashMap::new(),
+            by_hash: HashMap::default(),
             free,
             lru_head: NIL,
             lru_tail: NIL,

@@ -30,18 +30,33 @@
 //! unreferenced) moved since the head's last attempt. A later reservation never overtakes a
 //! queued one.
 //!
+//! ## Queues and their bounds
+//! * waiting: `max_waiting_requests`; a submit beyond it gets `RequestRejected{NoCapacity}` +
+//!   `Rejected` output and `Ok(Unavailable)`. Preempted requests (front) and activated
+//!   destinations (back) always re-enter: they were admitted already.
+//! * running: `max_num_seqs` (one request slot each).
+//! * pending reservations: `max_pending_reservations`; beyond it `Err(InvalidState)`.
+//! * A second live request with the same id is refused with `Err(InvalidState)`; for plain
+//!   `submit` the error names the nil handoff id (the contract has no request-level variant).
+//!
+//! ## Liveness
+//! Admission is FIFO and stops at the first waiting request that does not fit (vLLM's
+//! head-of-line blocking). One exception: when nothing is running, waiting requests that hold KV
+//! (activated destinations) may bypass a blocked head, because only running them releases their
+//! KV; if none fits, the first is admitted without compute and the next step's LIFO preemption
+//! returns its blocks to the cache. KV held by pins and reservations is released only by commands.
+//!
 //! ## Facts of a step (all observed at `at_ns + duration_ns`)
 //! `RequestPreempted` / `RequestScheduled` (with `KvRemoved` before any fact whose allocation
 //! evicted) in scheduling order, then `StepExecuted` (decode growth, prefill chunks of running
 //! requests, duplicate-hash adoption), `KvStored` for newly full blocks, then per request
 //! `FirstTokenEmitted`, `SourcePinned` or `RequestFinished`, then any reservation retry.
 
-use super::block_pool::{BlockId, BlockPool, Owner};
+use super::block_pool::{BlockId, BlockPool, IntBuild, Owner};
 use super::config::{ConfigError, VllmConfig};
 use crate::events::{BlockHash, EngineShape, Fact, KvDelta, RejectReason, TerminalStatus};
 use crate::ids::{
-    Backend, CancelReason, DestinationReservationId, EndReason, HandoffId, RequestId,
-    SourceLeaseId, WorkerId,
+    Backend, CancelReason, DestinationReservationId, EndReason, HandoffId, RequestId, SourceLeaseId, WorkerId,
 };
 use crate::projections::capacity::KvCapacitySnapshot;
 use crate::schedulers::request::{decode_block_hash, ROOT_HASH};
@@ -85,11 +100,7 @@ impl Seq {
     /// Anything less (a fresh prompt, or a recompute after preemption) is prefill, whose final
     /// chunk reaches `target()` and produces the next token.
     fn is_prefilling(&self) -> bool {
-        let decode_at = if self.generated == 0 {
-            self.prompt()
-        } else {
-            self.target() - 1
-        };
+        let decode_at = if self.generated == 0 { self.prompt() } else { self.target() - 1 };
         self.computed < decode_at
     }
 }
@@ -121,6 +132,7 @@ enum Dst {
 }
 
 /// The vLLM-like core. See the module docs.
+#[derive(Clone)]
 pub struct VllmCore {
     worker: WorkerId,
     backend: Backend,
@@ -128,9 +140,9 @@ pub struct VllmCore {
     shape: EngineShape,
     pool: BlockPool,
     /// Requests in waiting or running, by id (lookup only).
-    seqs: HashMap<RequestId, Seq>,
+    seqs: HashMap<RequestId, Seq, IntBuild>,
     /// Request ids this core holds in any form (seqs, pending or reserved destinations).
-    live: HashSet<RequestId>,
+    live: HashSet<RequestId, IntBuild>,
     waiting: VecDeque<RequestId>,
     /// In scheduling order; the last one is preempted first (LIFO).
     running: Vec<RequestId>,
@@ -145,10 +157,7 @@ pub struct VllmCore {
 }
 
 fn slots(n: i32) -> KvDelta {
-    KvDelta {
-        slots: n,
-        ..KvDelta::ZERO
-    }
+    KvDelta { slots: n, ..KvDelta::ZERO }
 }
 
 fn nil_handoff() -> HandoffId {
@@ -156,11 +165,7 @@ fn nil_handoff() -> HandoffId {
 }
 
 impl VllmCore {
-    pub fn new(
-        worker: WorkerId,
-        backend: Backend,
-        config: VllmConfig,
-    ) -> Result<Self, ConfigError> {
+    pub fn new(worker: WorkerId, backend: Backend, config: VllmConfig) -> Result<Self, ConfigError> {
         if backend == Backend::Sglang {
             return Err(ConfigError::Backend(backend.as_str()));
         }
@@ -177,8 +182,8 @@ impl VllmCore {
             cfg: config,
             shape,
             pool: BlockPool::new(config.num_gpu_blocks),
-            seqs: HashMap::new(),
-            live: HashSet::new(),
+            seqs: HashMap::default(),
+            live: HashSet::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             sources: BTreeMap::new(),
@@ -220,11 +225,7 @@ impl VllmCore {
     /// Blocks a request needs at its largest (see module docs).
     fn peak_blocks(&self, req: &Request, prefill_only: bool) -> u64 {
         let input = req.input_tokens.max(1) as u64;
-        let tokens = if prefill_only {
-            input
-        } else {
-            input + req.output_tokens.max(1) as u64 - 1
-        };
+        let tokens = if prefill_only { input } else { input + req.output_tokens.max(1) as u64 - 1 };
         self.blocks_for(tokens)
     }
 
@@ -254,18 +255,17 @@ impl VllmCore {
 
     /// Gives `seq`'s newly full blocks their hashes (adopting a canonical block on a duplicate
     /// hash) and returns the runs to publish as `KvStored`.
-    fn hash_full_blocks(
-        &mut self,
-        id: RequestId,
-        runs: &mut Vec<(Option<BlockHash>, Vec<BlockHash>)>,
-    ) {
+    fn hash_full_blocks(&mut self, id: RequestId, runs: &mut Vec<(Option<BlockHash>, Vec<BlockHash>)>) {
         if !self.cfg.enable_prefix_caching {
             return;
         }
         let bs = self.bs();
-        let Some(mut s) = self.seqs.remove(&id) else {
-            return;
-        };
+        // Most decode steps fill no block: check before taking the request out of the map.
+        match self.seqs.get(&id) {
+            Some(s) if s.hashed < ((s.computed / bs) as usize).min(s.blocks.len()) => {}
+            _ => return,
+        }
+        let Some(mut s) = self.seqs.remove(&id) else { return };
         let full = ((s.computed / bs) as usize).min(s.blocks.len());
         let mut run: Option<(Option<BlockHash>, Vec<BlockHash>)> = None;
         while s.hashed < full {
@@ -310,10 +310,16 @@ impl VllmCore {
     /// Ends a request in waiting or running (cancel, completion): releases its blocks to the
     /// cache, returns its slot if running, and forgets its handoff registration.
     fn end_request(&mut self, id: RequestId, status: TerminalStatus, fx: &mut Effects) {
-        let Some(s) = self.seqs.remove(&id) else {
-            return;
-        };
-        let was_running = if let Some(pos) = self.running.iter().position(|r| *r == id) {
+        self.end_request_inner(id, status, fx, false);
+    }
+
+    /// `in_step`: the caller knows the request is running and removes ended requests from the
+    /// running list in one pass afterwards (keeps a step O(running) however many finish).
+    fn end_request_inner(&mut self, id: RequestId, status: TerminalStatus, fx: &mut Effects, in_step: bool) {
+        let Some(s) = self.seqs.remove(&id) else { return };
+        let was_running = if in_step {
+            true
+        } else if let Some(pos) = self.running.iter().rposition(|r| *r == id) {
             self.running.remove(pos);
             true
         } else {
@@ -327,17 +333,8 @@ impl VllmCore {
         if was_running {
             kv = kv.plus(slots(-1));
         }
-        fx.facts.push(Fact::RequestFinished {
-            request: id,
-            status,
-            output_tokens: s.generated,
-            kv,
-        });
-        fx.outputs.push(EngineOutput::Finished {
-            request: id,
-            status,
-            output_tokens: s.generated,
-        });
+        fx.facts.push(Fact::RequestFinished { request: id, status, output_tokens: s.generated, kv });
+        fx.outputs.push(EngineOutput::Finished { request: id, status, output_tokens: s.generated });
         self.live.remove(&id);
         match s.kind {
             SeqKind::Plain => {}
@@ -354,10 +351,8 @@ impl VllmCore {
     /// of the waiting queue.
     fn preempt(&mut self, id: RequestId, fx: &mut Effects, step_acc: &mut KvDelta) {
         *step_acc = step_acc.plus(self.pool.take_delta());
-        let Some(mut s) = self.seqs.remove(&id) else {
-            return;
-        };
-        if let Some(pos) = self.running.iter().position(|r| *r == id) {
+        let Some(mut s) = self.seqs.remove(&id) else { return };
+        if let Some(pos) = self.running.iter().rposition(|r| *r == id) {
             self.running.remove(pos);
         }
         self.release_all(&s.blocks, Owner::Active);
@@ -403,33 +398,20 @@ impl VllmCore {
         let s = self.seqs.get(&id)?;
         if !s.blocks.is_empty() && !s.is_prefilling() {
             // An activated destination: KV already valid, decode one token.
-            let need = self
-                .blocks_for(s.computed as u64 + 1)
-                .saturating_sub(s.blocks.len() as u64);
+            let need = self.blocks_for(s.computed as u64 + 1).saturating_sub(s.blocks.len() as u64);
             if self.pool.available() < need {
                 return None;
             }
             let cached_tokens = s.computed;
-            fx.facts.push(Fact::RequestScheduled {
-                request: id,
-                cached_tokens,
-                kv: slots(1),
-            });
+            fx.facts.push(Fact::RequestScheduled { request: id, cached_tokens, kv: slots(1) });
             self.grow(id, need, fx, step_acc);
             return Some((1, false));
         }
         let target = s.target() as u64;
         let limit = ((target - 1) / bs) as usize;
-        let (matched, matched_cached) = if s.blocks.is_empty() {
-            self.match_prefix(&s.hashes, limit)
-        } else {
-            (Vec::new(), 0)
-        };
-        let start = if s.blocks.is_empty() {
-            matched.len() as u64 * bs
-        } else {
-            s.computed as u64
-        };
+        let (matched, matched_cached) =
+            if s.blocks.is_empty() { self.match_prefix(&s.hashes, limit) } else { (Vec::new(), 0) };
+        let start = if s.blocks.is_empty() { matched.len() as u64 * bs } else { s.computed as u64 };
         let remaining = target.saturating_sub(start);
         let chunk = if self.cfg.enable_chunked_prefill {
             remaining.min(budget)
@@ -453,9 +435,7 @@ impl VllmCore {
         for _ in 0..need {
             match self.pool.alloc(Owner::Active) {
                 Some(b) => fresh.push(b),
-                None => {
-                    self.note_err::<String>(Err("allocation failed after capacity check".into()))
-                }
+                None => self.note_err::<String>(Err("allocation failed after capacity check".into())),
             }
         }
         let s = self.seqs.get_mut(&id)?;
@@ -468,12 +448,39 @@ impl VllmCore {
         let cached_tokens = start as u32;
         self.flush_removed(fx);
         let kv = self.pool.take_delta().plus(slots(1));
-        fx.facts.push(Fact::RequestScheduled {
-            request: id,
-            cached_tokens,
-            kv,
-        });
+        fx.facts.push(Fact::RequestScheduled { request: id, cached_tokens, kv });
         Some((chunk, true))
+    }
+
+    /// See step 3 of [`EngineCore::step`]: only called with nothing running or scheduled.
+    fn unblock(
+        &mut self,
+        fx: &mut Effects,
+        step_acc: &mut KvDelta,
+        budget: u64,
+        scheduled: &mut Vec<(RequestId, u64, bool)>,
+    ) {
+        let with_kv: Vec<(usize, RequestId)> = self
+            .waiting
+            .iter()
+            .enumerate()
+            .filter(|(_, id)| self.seqs.get(id).map(|s| !s.blocks.is_empty()).unwrap_or(false))
+            .map(|(i, id)| (i, *id))
+            .collect();
+        for &(pos, id) in &with_kv {
+            if let Some((tokens, prefill)) = self.try_admit(id, budget, fx, step_acc) {
+                self.waiting.remove(pos);
+                self.running.push(id);
+                scheduled.push((id, tokens, prefill));
+                return;
+            }
+        }
+        if let Some(&(pos, id)) = with_kv.first() {
+            self.waiting.remove(pos);
+            self.running.push(id);
+            let cached_tokens = self.seqs.get(&id).map(|s| s.computed).unwrap_or(0);
+            fx.facts.push(Fact::RequestScheduled { request: id, cached_tokens, kv: slots(1) });
+        }
     }
 
     /// Allocates `need` fresh blocks for a running request's growth (delta into the step).
@@ -482,9 +489,7 @@ impl VllmCore {
         for _ in 0..need {
             match self.pool.alloc(Owner::Active) {
                 Some(b) => fresh.push(b),
-                None => self.note_err::<String>(Err(
-                    "growth allocation failed after capacity check".into(),
-                )),
+                None => self.note_err::<String>(Err("growth allocation failed after capacity check".into())),
             }
         }
         if let Some(s) = self.seqs.get_mut(&id) {
@@ -512,9 +517,7 @@ impl VllmCore {
         for _ in 0..pages {
             match self.pool.alloc(Owner::Reserved) {
                 Some(b) => blocks.push(b),
-                None => {
-                    self.note_err::<String>(Err("reservation allocation failed after check".into()))
-                }
+                None => self.note_err::<String>(Err("reservation allocation failed after check".into())),
             }
         }
         Some((blocks, prefix_blocks, pages as u32))
@@ -532,8 +535,7 @@ impl VllmCore {
         let (blocks, prefix_blocks, pages) = got;
         let reservation = DestinationReservationId(self.next_reservation);
         self.next_reservation += 1;
-        let prefix_tokens =
-            (prefix_blocks as u64 * self.bs() as u64).min(request.input_tokens as u64) as u32;
+        let prefix_tokens = (prefix_blocks as u64 * self.bs() as u64).min(request.input_tokens as u64) as u32;
         self.flush_removed(fx);
         let kv = self.pool.take_delta();
         fx.facts.push(Fact::DestinationReserved {
@@ -552,32 +554,16 @@ impl VllmCore {
             prefix_tokens,
             missing_tokens: request.input_tokens.saturating_sub(prefix_tokens),
         };
-        fx.outputs.push(EngineOutput::DestinationReserved {
-            handoff,
-            reservation,
-            summary,
-        });
+        fx.outputs.push(EngineOutput::DestinationReserved { handoff, reservation, summary });
         self.reserved += 1;
-        self.dests.insert(
-            handoff,
-            Dst::Reserved {
-                reservation,
-                request,
-                blocks,
-                prefix_blocks,
-            },
-        );
+        self.dests.insert(handoff, Dst::Reserved { reservation, request, blocks, prefix_blocks });
     }
 
     /// Retries the pending FIFO's head while capacity changed since its last attempt.
     fn retry_pending(&mut self, fx: &mut Effects) {
         while let Some(&h) = self.pending.front() {
             let (request, deadline_ns) = match self.dests.get(&h) {
-                Some(Dst::Pending {
-                    request,
-                    deadline_ns,
-                    tried_epoch,
-                }) => {
+                Some(Dst::Pending { request, deadline_ns, tried_epoch }) => {
                     if *tried_epoch == Some(self.pool.epoch()) {
                         return;
                     }
@@ -597,10 +583,8 @@ impl VllmCore {
                     handoff: h,
                     reason: CancelReason::DestinationRejected,
                 });
-                fx.outputs.push(EngineOutput::ReservationFailed {
-                    handoff: h,
-                    reason: RejectReason::NeverFits,
-                });
+                fx.outputs
+                    .push(EngineOutput::ReservationFailed { handoff: h, reason: RejectReason::NeverFits });
                 continue;
             }
             match self.try_reserve(&request) {
@@ -613,10 +597,7 @@ impl VllmCore {
                     if let Some(Dst::Pending { tried_epoch, .. }) = self.dests.get_mut(&h) {
                         *tried_epoch = Some(epoch);
                     }
-                    fx.facts.push(Fact::ReservationRefused {
-                        handoff: h,
-                        reason: RejectReason::NoCapacity,
-                    });
+                    fx.facts.push(Fact::ReservationRefused { handoff: h, reason: RejectReason::NoCapacity });
                     return;
                 }
             }
@@ -629,10 +610,7 @@ impl VllmCore {
         mut fx: Effects,
     ) -> CommandResult {
         self.retry_pending(&mut fx);
-        CommandResult {
-            outcome,
-            effects: fx,
-        }
+        CommandResult { outcome, effects: fx }
     }
 
     fn enqueue(
@@ -644,14 +622,8 @@ impl VllmCore {
         let prefill_only = matches!(kind, SeqKind::Source { .. });
         let needed = self.peak_blocks(&req, prefill_only);
         if needed > self.pool.total() {
-            fx.facts.push(Fact::RequestRejected {
-                request: req.id,
-                reason: RejectReason::NeverFits,
-            });
-            fx.outputs.push(EngineOutput::Rejected {
-                request: req.id,
-                reason: RejectReason::NeverFits,
-            });
+            fx.facts.push(Fact::RequestRejected { request: req.id, reason: RejectReason::NeverFits });
+            fx.outputs.push(EngineOutput::Rejected { request: req.id, reason: RejectReason::NeverFits });
             return Err(CommandError::NeverFits {
                 request: req.id,
                 needed_blocks: needed,
@@ -659,30 +631,14 @@ impl VllmCore {
             });
         }
         if self.waiting.len() >= self.cfg.max_waiting_requests as usize {
-            fx.facts.push(Fact::RequestRejected {
-                request: req.id,
-                reason: RejectReason::NoCapacity,
-            });
-            fx.outputs.push(EngineOutput::Rejected {
-                request: req.id,
-                reason: RejectReason::NoCapacity,
-            });
+            fx.facts.push(Fact::RequestRejected { request: req.id, reason: RejectReason::NoCapacity });
+            fx.outputs.push(EngineOutput::Rejected { request: req.id, reason: RejectReason::NoCapacity });
             return Ok(CommandOutcome::Unavailable);
         }
         let id = req.id;
         let hashes = self.prompt_hashes(&req);
-        self.seqs.insert(
-            id,
-            Seq {
-                req,
-                hashes,
-                blocks: Vec::new(),
-                hashed: 0,
-                computed: 0,
-                generated: 0,
-                kind,
-            },
-        );
+        self.seqs
+            .insert(id, Seq { req, hashes, blocks: Vec::new(), hashed: 0, computed: 0, generated: 0, kind });
         self.live.insert(id);
         self.waiting.push_back(id);
         fx.facts.push(Fact::RequestQueued { request: id });
@@ -698,18 +654,13 @@ impl VllmCore {
         let mut refs = vec![[0u32; 3]; n];
         let mut add = |blocks: &[BlockId], o: Owner| -> Result<(), String> {
             for &b in blocks {
-                let r = refs
-                    .get_mut(b as usize)
-                    .ok_or_else(|| format!("block {b} out of range"))?;
+                let r = refs.get_mut(b as usize).ok_or_else(|| format!("block {b} out of range"))?;
                 r[o as usize] += 1;
             }
             Ok(())
         };
         for id in self.waiting.iter().chain(self.running.iter()) {
-            let s = self
-                .seqs
-                .get(id)
-                .ok_or_else(|| format!("{id} queued but unknown"))?;
+            let s = self.seqs.get(id).ok_or_else(|| format!("{id} queued but unknown"))?;
             add(&s.blocks, Owner::Active)?;
         }
         if self.seqs.len() != self.waiting.len() + self.running.len() {
@@ -752,16 +703,8 @@ impl VllmCore {
         if p != snap {
             return Err(format!("pool recount {p:?} != owner recount {snap:?}"));
         }
-        let pinned = self
-            .sources
-            .values()
-            .filter(|s| matches!(s, Src::Pinned { .. }))
-            .count() as u64;
-        let reserved = self
-            .dests
-            .values()
-            .filter(|d| matches!(d, Dst::Reserved { .. }))
-            .count() as u64;
+        let pinned = self.sources.values().filter(|s| matches!(s, Src::Pinned { .. })).count() as u64;
+        let reserved = self.dests.values().filter(|d| matches!(d, Dst::Reserved { .. })).count() as u64;
         if pinned != self.pinned || reserved != self.reserved {
             return Err("pin/reservation counters drifted".into());
         }
@@ -830,10 +773,7 @@ impl EngineCore for VllmCore {
         let mut fx = Effects::default();
         if self.backend == Backend::TrtLlm {
             // The proposal defers generation-side pre-allocation for TRT-LLM.
-            let e = CommandError::Unsupported {
-                backend: "trtllm",
-                what: "destination reservation",
-            };
+            let e = CommandError::Unsupported { backend: "trtllm", what: "destination reservation" };
             return self.finish_command(Err(e), fx);
         }
         if self.dests.contains_key(&handoff) {
@@ -867,14 +807,7 @@ impl EngineCore for VllmCore {
                 return self.finish_command(Err(e), fx);
             }
             self.live.insert(request.id);
-            self.dests.insert(
-                handoff,
-                Dst::Pending {
-                    request,
-                    deadline_ns,
-                    tried_epoch: None,
-                },
-            );
+            self.dests.insert(handoff, Dst::Pending { request, deadline_ns, tried_epoch: None });
             self.pending.push_back(handoff);
             fx.facts.push(Fact::ReservationQueued { handoff });
             return self.finish_command(Ok(CommandOutcome::Unavailable), fx);
@@ -888,20 +821,10 @@ impl EngineCore for VllmCore {
             None => {
                 self.live.insert(request.id);
                 let epoch = self.pool.epoch();
-                self.dests.insert(
-                    handoff,
-                    Dst::Pending {
-                        request,
-                        deadline_ns,
-                        tried_epoch: Some(epoch),
-                    },
-                );
+                self.dests.insert(handoff, Dst::Pending { request, deadline_ns, tried_epoch: Some(epoch) });
                 self.pending.push_back(handoff);
                 fx.facts.push(Fact::ReservationQueued { handoff });
-                fx.facts.push(Fact::ReservationRefused {
-                    handoff,
-                    reason: RejectReason::NoCapacity,
-                });
+                fx.facts.push(Fact::ReservationRefused { handoff, reason: RejectReason::NoCapacity });
                 self.finish_command(Ok(CommandOutcome::Unavailable), fx)
             }
         }
@@ -912,22 +835,13 @@ impl EngineCore for VllmCore {
         match self.dests.get(&handoff) {
             None => return self.finish_command(Err(CommandError::UnknownHandoff(handoff)), fx),
             Some(Dst::Pending { .. }) => {
-                let e = CommandError::InvalidState {
-                    handoff,
-                    command: "activate",
-                    state: "pending",
-                };
+                let e = CommandError::InvalidState { handoff, command: "activate", state: "pending" };
                 return self.finish_command(Err(e), fx);
             }
             Some(Dst::Activated(_)) => return self.finish_command(Ok(CommandOutcome::NoOp), fx),
             Some(Dst::Reserved { .. }) => {}
         }
-        let Some(Dst::Reserved {
-            reservation,
-            request,
-            blocks,
-            prefix_blocks,
-        }) = self.dests.remove(&handoff)
+        let Some(Dst::Reserved { reservation, request, blocks, prefix_blocks }) = self.dests.remove(&handoff)
         else {
             return self.finish_command(Err(CommandError::UnknownHandoff(handoff)), fx);
         };
@@ -957,19 +871,11 @@ impl EngineCore for VllmCore {
         let mut runs = Vec::new();
         self.hash_full_blocks(id, &mut runs);
         let kv = self.pool.take_delta();
-        fx.facts.push(Fact::DestinationActivated {
-            handoff,
-            reservation,
-            kv,
-        });
+        fx.facts.push(Fact::DestinationActivated { handoff, reservation, kv });
         Self::push_stored(&mut fx, runs);
         self.waiting.push_back(id);
         self.dests.insert(handoff, Dst::Activated(id));
-        let done = self
-            .seqs
-            .get(&id)
-            .map(|s| s.generated >= s.max_output())
-            .unwrap_or(false);
+        let done = self.seqs.get(&id).map(|s| s.generated >= s.max_output()).unwrap_or(false);
         if done {
             // The prefill's first token was the only one asked for.
             self.end_request(id, TerminalStatus::Completed, &mut fx);
@@ -977,21 +883,12 @@ impl EngineCore for VllmCore {
         self.finish_command(Ok(CommandOutcome::Applied), fx)
     }
 
-    fn release_source(
-        &mut self,
-        handoff: HandoffId,
-        reason: EndReason,
-        _at_ns: u64,
-    ) -> CommandResult {
+    fn release_source(&mut self, handoff: HandoffId, reason: EndReason, _at_ns: u64) -> CommandResult {
         let mut fx = Effects::default();
         match self.sources.get(&handoff) {
             None => return self.finish_command(Ok(CommandOutcome::NoOp), fx),
             Some(Src::Live(_)) => {
-                let e = CommandError::InvalidState {
-                    handoff,
-                    command: "release_source",
-                    state: "computing",
-                };
+                let e = CommandError::InvalidState { handoff, command: "release_source", state: "computing" };
                 return self.finish_command(Err(e), fx);
             }
             Some(Src::Pinned { .. }) => {}
@@ -1000,22 +897,12 @@ impl EngineCore for VllmCore {
             self.release_all(&blocks, Owner::Pinned);
             self.pinned -= 1;
             let kv = self.pool.take_delta();
-            fx.facts.push(Fact::SourceReleased {
-                handoff,
-                lease,
-                reason,
-                kv,
-            });
+            fx.facts.push(Fact::SourceReleased { handoff, lease, reason, kv });
         }
         self.finish_command(Ok(CommandOutcome::Applied), fx)
     }
 
-    fn cancel_source(
-        &mut self,
-        handoff: HandoffId,
-        reason: CancelReason,
-        _at_ns: u64,
-    ) -> CommandResult {
+    fn cancel_source(&mut self, handoff: HandoffId, reason: CancelReason, _at_ns: u64) -> CommandResult {
         let mut fx = Effects::default();
         match self.sources.get(&handoff).cloned() {
             None => self.finish_command(Ok(CommandOutcome::NoOp), fx),
@@ -1041,12 +928,7 @@ impl EngineCore for VllmCore {
         }
     }
 
-    fn cancel_destination(
-        &mut self,
-        handoff: HandoffId,
-        reason: CancelReason,
-        _at_ns: u64,
-    ) -> CommandResult {
+    fn cancel_destination(&mut self, handoff: HandoffId, reason: CancelReason, _at_ns: u64) -> CommandResult {
         let mut fx = Effects::default();
         match self.dests.remove(&handoff) {
             None => self.finish_command(Ok(CommandOutcome::NoOp), fx),
@@ -1058,12 +940,7 @@ impl EngineCore for VllmCore {
                 fx.facts.push(Fact::ReservationDequeued { handoff, reason });
                 self.finish_command(Ok(CommandOutcome::Applied), fx)
             }
-            Some(Dst::Reserved {
-                reservation,
-                request,
-                blocks,
-                ..
-            }) => {
+            Some(Dst::Reserved { reservation, request, blocks, .. }) => {
                 self.release_all(&blocks, Owner::Reserved);
                 self.reserved -= 1;
                 self.live.remove(&request.id);
@@ -1105,14 +982,10 @@ impl EngineCore for VllmCore {
                 (1, false)
             };
             let kv_tokens = s.computed as u64 + tokens;
-            let need = self
-                .blocks_for(kv_tokens)
-                .saturating_sub(s.blocks.len() as u64);
+            let need = self.blocks_for(kv_tokens).saturating_sub(s.blocks.len() as u64);
             let mut self_preempted = false;
             while self.pool.available() < need {
-                let Some(&victim) = self.running.last() else {
-                    break;
-                };
+                let Some(&victim) = self.running.last() else { break };
                 self.preempt(victim, &mut fx, &mut step_acc);
                 preempted = true;
                 if victim == id {
@@ -1132,11 +1005,8 @@ impl EngineCore for VllmCore {
         // 2. Waiting requests, FIFO, unless this step preempted (vLLM does not admit then).
         if !preempted {
             while budget > 0 && self.running.len() < self.cfg.max_num_seqs as usize {
-                let Some(&id) = self.waiting.front() else {
-                    break;
-                };
-                let Some((tokens, prefill)) = self.try_admit(id, budget, &mut fx, &mut step_acc)
-                else {
+                let Some(&id) = self.waiting.front() else { break };
+                let Some((tokens, prefill)) = self.try_admit(id, budget, &mut fx, &mut step_acc) else {
                     break;
                 };
                 self.waiting.pop_front();
@@ -1146,24 +1016,27 @@ impl EngineCore for VllmCore {
             }
         }
 
+        // 3. Liveness: nothing runs and the head is blocked. Waiting requests that hold KV
+        // (activated destinations) can only give it back by running, so the first of them that
+        // fits bypasses the head; if none fits, the first is admitted without compute and the
+        // next step's LIFO preemption returns its blocks to the cache.
+        if !preempted && self.running.is_empty() && scheduled.is_empty() && budget > 0 {
+            self.unblock(&mut fx, &mut step_acc, budget, &mut scheduled);
+        }
+
         if scheduled.is_empty() {
             // Nothing runnable now (empty, or the head waits for capacity held elsewhere).
             self.retry_pending(&mut fx);
-            return StepOutput {
-                effects: fx,
-                duration_ns: 0,
-            };
+            return StepOutput { effects: fx, duration_ns: 0 };
         }
 
-        // 3. Compute: advance tokens, hash and publish newly full blocks.
+        // 4. Compute: advance tokens, hash and publish newly full blocks.
         let mut prefill_tokens = 0u64;
         let mut decode_tokens = 0u64;
         let mut produced: Vec<RequestId> = Vec::new();
         let mut runs = Vec::new();
         for &(id, tokens, prefill) in &scheduled {
-            let Some(s) = self.seqs.get_mut(&id) else {
-                continue;
-            };
+            let Some(s) = self.seqs.get_mut(&id) else { continue };
             if prefill {
                 let target = s.target();
                 s.computed = s.computed.saturating_add(tokens as u32);
@@ -1198,13 +1071,11 @@ impl EngineCore for VllmCore {
         });
         Self::push_stored(&mut fx, runs);
 
-        // 4. Tokens produced: first tokens, pins, completions.
+        // 5. Tokens produced: first tokens, pins, completions.
         let end_ns = at_ns.saturating_add(duration_ns);
         let mut left_running = false;
         for id in produced {
-            let Some(s) = self.seqs.get(&id) else {
-                continue;
-            };
+            let Some(s) = self.seqs.get(&id) else { continue };
             let first = s.generated == 1;
             let kind = s.kind;
             let done = s.generated >= s.max_output();
@@ -1215,9 +1086,7 @@ impl EngineCore for VllmCore {
             match kind {
                 SeqKind::Source { handoff, lease_ns } => {
                     // Terminal prefill → held-prefill ownership, one transition, no completion.
-                    let Some(s) = self.seqs.remove(&id) else {
-                        continue;
-                    };
+                    let Some(s) = self.seqs.remove(&id) else { continue };
                     for &b in &s.blocks {
                         let r = self.pool.rekind(b, Owner::Active, Owner::Pinned);
                         self.note_err(r);
@@ -1244,16 +1113,13 @@ impl EngineCore for VllmCore {
                         blocks,
                         deadline_ns,
                     });
-                    self.sources.insert(
-                        handoff,
-                        Src::Pinned {
-                            lease,
-                            blocks: s.blocks,
-                        },
-                    );
+                    self.sources.insert(handoff, Src::Pinned { lease, blocks: s.blocks });
                     self.pinned += 1;
                 }
-                _ if done => self.end_request(id, TerminalStatus::Completed, &mut fx),
+                _ if done => {
+                    self.end_request_inner(id, TerminalStatus::Completed, &mut fx, true);
+                    left_running = true;
+                }
                 _ => {}
             }
         }
@@ -1262,10 +1128,7 @@ impl EngineCore for VllmCore {
             self.running.retain(|r| seqs.contains_key(r));
         }
         self.retry_pending(&mut fx);
-        StepOutput {
-            effects: fx,
-            duration_ns,
-        }
+        StepOutput { effects: fx, duration_ns }
     }
 
     fn is_empty(&self) -> bool {
@@ -1273,10 +1136,7 @@ impl EngineCore for VllmCore {
     }
 
     fn is_drained(&self) -> bool {
-        self.is_empty()
-            && self.sources.is_empty()
-            && self.dests.is_empty()
-            && self.pending.is_empty()
+        self.is_empty() && self.sources.is_empty() && self.dests.is_empty() && self.pending.is_empty()
     }
 
     fn snapshot(&self) -> KvCapacitySnapshot {
