@@ -112,7 +112,8 @@ fn scenario1_stranded_source_then_reserve_activate_release() {
     let r = p.core.release_source(h, EndReason::Success, p.now_ns);
     assert_eq!(p.cmd(r, "release again"), Ok(CommandOutcome::NoOp));
 
-    // Decode runs the retained request as already computed: no prefill tokens, 49 decodes.
+    // Decode runs the retained request as already computed: no prefill tokens; it produces all
+    // 50 output tokens itself, the first one (TTFT) on its first step.
     let prefill_before: u32 = prefill_tokens(&d.log);
     d.step_until(200, |d| d.core.is_drained());
     assert_eq!(prefill_tokens(&d.log), prefill_before, "the prompt is never recomputed");
@@ -123,10 +124,11 @@ fn scenario1_stranded_source_then_reserve_activate_release() {
         _ => None,
     });
     assert_eq!(fin, Some((TerminalStatus::Completed, 50)));
-    assert!(!d
-        .log
-        .iter()
-        .any(|f| matches!(f, Fact::FirstTokenEmitted { request } if *request == RequestId(100))));
+    assert_eq!(
+        d.log.iter().filter(|f| matches!(f, Fact::FirstTokenEmitted { request } if *request == RequestId(100))).count(),
+        1,
+        "the decode worker emits the user's first token"
+    );
     let s = d.core.snapshot();
     assert_eq!(s.active_blocks + s.pinned_source_blocks + s.reserved_destination_blocks, 0);
 }
@@ -520,12 +522,16 @@ fn trtllm_refuses_destination_reservation() {
 }
 
 #[test]
-fn activation_of_a_single_token_request_completes_at_once() {
+fn activation_of_a_single_token_request_finishes_after_one_decode_step() {
     let mut d = Harness::new(small(64, 16));
     d.run("r", |c, now| c.reserve_destination(hid(1), req(1, 100, 1, &[1]), 0, now)).unwrap();
     d.run("a", |c, now| c.activate_destination(hid(1), now)).unwrap();
+    assert!(!d.core.is_drained(), "the one output token is produced by decode");
+    d.step();
     assert!(d.core.is_drained());
+    assert_eq!(d.count("FirstTokenEmitted"), 1);
     assert_eq!(d.count("RequestFinished"), 1);
+    assert_eq!(prefill_tokens(&d.log), 0, "the last prompt token's recompute is decode work");
     assert!(matches!(d.core.activate_destination(hid(1), 0).outcome, Err(CommandError::UnknownHandoff(_))));
 }
 

@@ -20,7 +20,8 @@
 //! * Destination: a reservation holds `Reserved` references on the locally cached prefix plus
 //!   fresh hashless pages for the rest of the prompt; no slot. Activation turns them into
 //!   `Active` references, hashes and publishes the fresh pages, and queues the request as
-//!   already computed (`computed = input`, `generated = 1`).
+//!   computed but its last token (`computed = input − 1`, `generated = 0`): its first step
+//!   recomputes that token as decode work and emits the first output token on this worker.
 //! * The TRT-LLM backend refuses destination reservation with `CommandError::Unsupported`: the
 //!   proposal defers generation-side pre-allocation for it (see engine-semantics notes).
 //!
@@ -863,13 +864,24 @@ impl EngineCore for VllmCore {
                 hashes,
                 blocks,
                 hashed: prefix_hashed,
-                computed: prompt,
-                generated: 1,
+                // Like vLLM's decode after a remote load: every prompt token but the last is
+                // valid; the first step recomputes the last one into its existing slot and
+                // produces the first output token here (TTFT is observed on the decode worker).
+                computed: prompt - 1,
+                generated: 0,
                 kind: SeqKind::Dest { handoff },
             },
         );
+        // Every transferred prompt block is valid now (the last token's recompute rewrites a
+        // slot it already has), so publish them all at activation, once.
         let mut runs = Vec::new();
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.computed = prompt;
+        }
         self.hash_full_blocks(id, &mut runs);
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.computed = prompt - 1;
+        }
         let kv = self.pool.take_delta();
         fx.facts.push(Fact::DestinationActivated { handoff, reservation, kv });
         Self::push_stored(&mut fx, runs);
@@ -1039,8 +1051,18 @@ impl EngineCore for VllmCore {
             let Some(s) = self.seqs.get_mut(&id) else { continue };
             if prefill {
                 let target = s.target();
+                // An activated destination's one-token recompute costs a decode step, not a
+                // prefill (its KV arrived by transfer).
+                let remote_tail = matches!(s.kind, SeqKind::Dest { .. })
+                    && s.generated == 0
+                    && tokens == 1
+                    && s.computed + 1 == s.prompt();
                 s.computed = s.computed.saturating_add(tokens as u32);
-                prefill_tokens += tokens;
+                if remote_tail {
+                    decode_tokens += tokens;
+                } else {
+                    prefill_tokens += tokens;
+                }
                 if s.computed >= target {
                     s.generated += 1;
                     produced.push(id);
