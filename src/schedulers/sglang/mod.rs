@@ -6,3 +6,6 @@ mod radix;
 
 pub use self::config::{ConfigError, SglangConfig};
 pub use self::core::SglangCore;
+
+#[cfg(test)]
+mod tests;
