@@ -238,7 +238,8 @@ impl SglangCore {
     fn new_req(&self, request: Request, target: u32) -> Req {
         let hashes = request.prompt_block_hashes(self.page());
         Req {
-            fill: request.input_tokens,
+            // An empty prompt still feeds one token to sample from.
+            fill: request.input_tokens.max(1),
             request,
             hashes,
             holder: Holder::new(Kind::Active),
@@ -751,7 +752,7 @@ impl SglangCore {
                 continue;
             };
             r.kv_len = 0;
-            r.fill = r.request.input_tokens + r.output;
+            r.fill = (r.request.input_tokens + r.output).max(1);
             r.phase = Phase::Waiting;
             r.has_slot = false;
             r.retracted = true;
