@@ -621,7 +621,8 @@ impl SglangCore {
                 break;
             }
             let real_input = extend.div_ceil(page) * page;
-            if real_input as i64 > rem_input && !batch.is_empty() {
+            // Only the batch's first request may exceed max_prefill_tokens.
+            if real_input as i64 > rem_input && (!batch.is_empty() || cont.is_some()) {
                 break;
             }
             let chunk = if (extend as i64) <= rem_chunk {
@@ -676,7 +677,7 @@ impl SglangCore {
                 cached_tokens: prefix_tokens,
                 kv,
             });
-            rem_input -= real_input as i64;
+            rem_input -= (chunk.div_ceil(page) * page) as i64;
             rem_chunk -= chunk as i64;
             batch.push((k, chunk));
         }
