@@ -786,3 +786,34 @@ fn pinned_sources_hold_request_slots() {
     c.cmd(|k| k.release_source(hid(2), EndReason::Success, now));
     step_until(&mut c, &mut now, 3, |f| count(f, "FirstTokenEmitted") == 1);
 }
+
+#[test]
+fn nothing_preallocates_while_retracted_requests_wait() {
+    let mut config = cfg(12, 8);
+    config.clip_max_new_tokens = 8;
+    config.num_reserved_decode_tokens = 0; // isolate the retraction rule from the headroom rule
+    let mut c = Checked::new(config);
+    let mut now = 0;
+    c.cmd(|k| k.submit(req(1, 32, 60, 1, 0), 0));
+    c.cmd(|k| k.submit(req(2, 32, 60, 2, 0), 0));
+    c.cmd(|k| k.submit(req(3, 48, 60, 3, 0), 0));
+    step_until(&mut c, &mut now, 400, |f| count(f, "RequestPreempted") > 0);
+    let s = c.core.snapshot();
+    assert!(
+        s.free_blocks + s.cached_free_blocks >= 1,
+        "precondition: a page is available {s:?}"
+    );
+    assert!(s.request_slots_used < 8);
+    let r = c.cmd(|k| k.reserve_destination(hid(1), req(9, 1, 1, 9, 0), 0, now));
+    assert_eq!(r.outcome, Ok(CommandOutcome::Unavailable));
+    assert!(r.effects.facts.contains(&Fact::ReservationRefused {
+        handoff: hid(1),
+        reason: RejectReason::NoCapacity
+    }));
+    // Once no retracted request waits, the head is retried and fits.
+    drain(&mut c, &mut now);
+    assert!(c
+        .facts
+        .iter()
+        .any(|f| matches!(f, Fact::DestinationReserved { handoff, .. } if *handoff == hid(1))));
+}

@@ -132,7 +132,7 @@ impl Checked {
                 assert_eq!(kv.slots, 1, "call {n}: {f:?}");
                 // A locked prefix page may move pinned → reserved (precedence), never out of active.
                 assert!(
-                    kv.headroom_tokens > 0 && kv.active == 0 && kv.pinned_source <= 0,
+                    kv.headroom_tokens >= 0 && kv.active == 0 && kv.pinned_source <= 0,
                     "call {n}: {f:?}"
                 );
             }
@@ -145,7 +145,7 @@ impl Checked {
             }
             Fact::ReservationReleased { kv, .. } => {
                 assert!(
-                    kv.reserved_destination <= 0 && kv.slots == -1 && kv.headroom_tokens < 0,
+                    kv.reserved_destination <= 0 && kv.slots == -1 && kv.headroom_tokens <= 0,
                     "call {n}: {f:?}"
                 );
                 assert_eq!(kv.active, 0, "call {n}: {f:?}");
