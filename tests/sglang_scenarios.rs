@@ -730,3 +730,90 @@ fn config_defaults_serde_and_validation() {
     assert_eq!(core.shape().total_blocks, 16384);
     assert_eq!(core.shape().block_size, 64);
 }
+
+#[test]
+fn prefill_batch_respects_max_prefill_tokens() {
+    let mut config = cfg(256, 8);
+    config.max_prefill_tokens = 128;
+    let mut c = Checked::new(config);
+    for i in 0..3 {
+        c.cmd(|k| k.submit(req(i, 100, 5, 10 + i, 0), 0));
+    }
+    let o = c.step(0);
+    assert_eq!(
+        count(&o.effects.facts, "RequestScheduled"),
+        1,
+        "100 + 112 page-rounded > 128"
+    );
+    // A single prompt larger than the budget still runs alone.
+    let mut config = cfg(256, 8);
+    config.max_prefill_tokens = 64;
+    let mut d = Checked::new(config);
+    d.cmd(|k| k.submit(req(9, 200, 5, 1, 0), 0));
+    d.cmd(|k| k.submit(req(10, 16, 5, 2, 0), 0));
+    let o = d.step(0);
+    assert_eq!(count(&o.effects.facts, "RequestScheduled"), 1);
+    assert!(o.effects.facts.iter().any(|f| matches!(
+        f,
+        Fact::StepExecuted {
+            prefill_tokens: 200,
+            ..
+        }
+    )));
+}
+
+#[test]
+fn pinned_sources_hold_request_slots() {
+    let mut c = Checked::new(cfg(256, 2));
+    let mut now = 0;
+    c.cmd(|k| k.submit_handoff_prefill(hid(1), req(1, 40, 1, 1, 0), 1_000, 0));
+    c.cmd(|k| k.submit_handoff_prefill(hid(2), req(2, 40, 1, 2, 0), 1_000, 0));
+    step_until(&mut c, &mut now, 3, |f| count(f, "SourcePinned") == 2);
+    assert_eq!(c.core.snapshot().request_slots_used, 2);
+    c.cmd(|k| k.submit(req(3, 40, 3, 3, 0), now));
+    let o = c.step(now);
+    assert_eq!(o.duration_ns, 0, "no slot: nothing runs");
+    assert_eq!(c.core.view().waiting, 1);
+    // A reservation is refused for the same reason.
+    let r = c.cmd(|k| k.reserve_destination(hid(3), req(4, 40, 3, 4, 0), 0, now));
+    assert!(r.effects.facts.contains(&Fact::ReservationRefused {
+        handoff: hid(3),
+        reason: RejectReason::NoSlot
+    }));
+    // Releasing one pin frees a slot: the FIFO head takes it at the end of the release.
+    let r = c.cmd(|k| k.release_source(hid(1), EndReason::Success, now));
+    assert!(reserved_fact(&r.effects.facts).is_some());
+    c.cmd(|k| k.release_source(hid(2), EndReason::Success, now));
+    step_until(&mut c, &mut now, 3, |f| count(f, "FirstTokenEmitted") == 1);
+}
+
+#[test]
+fn nothing_preallocates_while_retracted_requests_wait() {
+    let mut config = cfg(12, 8);
+    config.clip_max_new_tokens = 8;
+    config.num_reserved_decode_tokens = 0; // isolate the retraction rule from the headroom rule
+    let mut c = Checked::new(config);
+    let mut now = 0;
+    c.cmd(|k| k.submit(req(1, 32, 60, 1, 0), 0));
+    c.cmd(|k| k.submit(req(2, 32, 60, 2, 0), 0));
+    c.cmd(|k| k.submit(req(3, 48, 60, 3, 0), 0));
+    step_until(&mut c, &mut now, 400, |f| count(f, "RequestPreempted") > 0);
+    let s = c.core.snapshot();
+    assert!(
+        s.free_blocks + s.cached_free_blocks >= 1,
+        "precondition: a page is available {s:?}"
+    );
+    assert!(s.request_slots_used < 8);
+    let r = c.cmd(|k| k.reserve_destination(hid(1), req(9, 1, 1, 9, 0), 0, now));
+    assert_eq!(r.outcome, Ok(CommandOutcome::Unavailable));
+    assert!(r.effects.facts.contains(&Fact::ReservationRefused {
+        handoff: hid(1),
+        reason: RejectReason::NoCapacity
+    }));
+    // Once no retracted request waits, the head is retried and fits.
+    drain(&mut c, &mut now);
+    assert!(c
+        .facts
+        .iter()
+        .any(|f| matches!(f, Fact::DestinationReserved { handoff, .. } if *handoff == hid(1))));
+}

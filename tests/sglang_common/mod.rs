@@ -92,6 +92,7 @@ impl Checked {
             self.sched.apply(f).unwrap_or_else(|e| {
                 panic!("call {}: scheduler fold refused {f:?}: {e}", self.calls)
             });
+            self.check_fact_shape(f);
             self.facts.push(f.clone());
         }
         let snap = self.core.snapshot();
@@ -117,6 +118,65 @@ impl Checked {
             "call {}: scheduler fold != view",
             self.calls
         );
+    }
+
+    /// What each lifecycle fact's delta must look like, whatever the interleaving.
+    fn check_fact_shape(&self, f: &Fact) {
+        let n = self.calls;
+        match f {
+            Fact::DestinationReserved { pages, kv, .. } => {
+                assert!(
+                    kv.reserved_destination >= *pages as i32,
+                    "call {n}: delta pages not reserved {f:?}"
+                );
+                assert_eq!(kv.slots, 1, "call {n}: {f:?}");
+                // A locked prefix page may move pinned → reserved (precedence), never out of active.
+                assert!(
+                    kv.headroom_tokens >= 0 && kv.active == 0 && kv.pinned_source <= 0,
+                    "call {n}: {f:?}"
+                );
+            }
+            Fact::DestinationActivated { kv, .. } => {
+                assert!(
+                    kv.reserved_destination <= 0 && kv.slots == 0 && kv.headroom_tokens == 0,
+                    "call {n}: {f:?}"
+                );
+                assert!(kv.active >= 0, "call {n}: {f:?}");
+            }
+            Fact::ReservationReleased { kv, .. } => {
+                assert!(
+                    kv.reserved_destination <= 0 && kv.slots == -1 && kv.headroom_tokens <= 0,
+                    "call {n}: {f:?}"
+                );
+                assert_eq!(kv.active, 0, "call {n}: {f:?}");
+            }
+            Fact::SourcePinned { kv, blocks, .. } => {
+                // Active pages move to pinned, or to reserved where a reservation shares them.
+                assert_eq!(
+                    kv.active,
+                    -(kv.pinned_source + kv.reserved_destination),
+                    "call {n}: {f:?}"
+                );
+                assert!(
+                    kv.pinned_source >= 0 && kv.reserved_destination >= 0,
+                    "call {n}: {f:?}"
+                );
+                assert!(
+                    kv.pinned_source as u32 <= *blocks && kv.slots == 0 && kv.free == 0,
+                    "call {n}: {f:?}"
+                );
+            }
+            Fact::SourceReleased { kv, .. } => {
+                assert!(
+                    kv.pinned_source <= 0 && kv.slots == -1 && kv.active == 0,
+                    "call {n}: {f:?}"
+                );
+            }
+            Fact::RequestPreempted { kv, .. } => {
+                assert!(kv.active <= 0 && kv.slots == -1, "call {n}: {f:?}");
+            }
+            _ => {}
+        }
     }
 
     pub fn cmd(&mut self, f: impl FnOnce(&mut SglangCore) -> CommandResult) -> CommandResult {

@@ -238,7 +238,8 @@ impl SglangCore {
     fn new_req(&self, request: Request, target: u32) -> Req {
         let hashes = request.prompt_block_hashes(self.page());
         Req {
-            fill: request.input_tokens,
+            // An empty prompt still feeds one token to sample from.
+            fill: request.input_tokens.max(1),
             request,
             hashes,
             holder: Holder::new(Kind::Active),
@@ -620,7 +621,8 @@ impl SglangCore {
                 break;
             }
             let real_input = extend.div_ceil(page) * page;
-            if real_input as i64 > rem_input && !batch.is_empty() {
+            // Only the batch's first request may exceed max_prefill_tokens.
+            if real_input as i64 > rem_input && (!batch.is_empty() || cont.is_some()) {
                 break;
             }
             let chunk = if (extend as i64) <= rem_chunk {
@@ -675,7 +677,7 @@ impl SglangCore {
                 cached_tokens: prefix_tokens,
                 kv,
             });
-            rem_input -= real_input as i64;
+            rem_input -= (chunk.div_ceil(page) * page) as i64;
             rem_chunk -= chunk as i64;
             batch.push((k, chunk));
         }
@@ -751,7 +753,7 @@ impl SglangCore {
                 continue;
             };
             r.kv_len = 0;
-            r.fill = r.request.input_tokens + r.output;
+            r.fill = (r.request.input_tokens + r.output).max(1);
             r.phase = Phase::Waiting;
             r.has_slot = false;
             r.retracted = true;
