@@ -314,7 +314,7 @@ fn activated_destination_decodes_without_recompute() {
     }
     assert_eq!(prefill, 0, "the prompt is never recomputed");
     assert_eq!(decodes, 4, "the first of 5 tokens came from the source");
-    assert_eq!(count(&c.facts, "FirstTokenEmitted"), 0);
+    assert_eq!(count(&c.facts, "FirstTokenEmitted"), 1, "the transferred first token is committed at activation");
     assert!(c.facts.iter().any(|f| matches!(f,
         Fact::RequestFinished { request: RequestId(1), status: TerminalStatus::Completed, output_tokens: 5, kv }
             if kv.headroom_tokens == -32 && kv.slots == -1)));

@@ -995,6 +995,7 @@ impl EngineCore for SglangCore {
         r.fill = r.kv_len;
         r.output = 1; // the first token came from the source's prefill
         r.phase = Phase::Prebuilt;
+        let request_id = r.request.id;
         let full = (r.kv_len / page) as usize;
         let stored = self.pool.insert(&mut r.holder, &r.hashes, full);
         let reservation = r
@@ -1012,6 +1013,10 @@ impl EngineCore for SglangCore {
         if let Some(f) = stored {
             eff.facts.push(f);
         }
+        // SGLang commits the transferred first token at once (a prebuilt batch, no forward
+        // pass): the user's first token leaves the decode worker at activation.
+        eff.facts.push(Fact::FirstTokenEmitted { request: request_id });
+        eff.outputs.push(EngineOutput::FirstToken { request: request_id });
         self.finish_command(Ok(CommandOutcome::Applied), eff)
     }
 
