@@ -45,10 +45,17 @@ fn facts() -> Vec<(u64, Fact)> {
                     decode_tokens: 64 + (i % 64) as u32,
                     batch_size: 64 + (i % 64) as u32,
                     duration_ns: 20_000_000 + i % 1_000_000,
-                    kv: KvDelta { active: 3, free: -2, cached_free: -1, ..KvDelta::ZERO },
+                    kv: KvDelta {
+                        active: 3,
+                        free: -2,
+                        cached_free: -1,
+                        ..KvDelta::ZERO
+                    },
                 }
             } else {
-                Fact::RequestQueued { request: RequestId(i) }
+                Fact::RequestQueued {
+                    request: RequestId(i),
+                }
             };
             (at, f)
         })
@@ -121,7 +128,10 @@ fn bench<M: Measurement>(c: &mut Criterion<M>) {
     std::fs::write(&read_path, &bytes).unwrap();
     let write_path = tmp.path().join("write.hlog");
 
-    let views = [("records", Throughput::Elements(RECORDS)), ("bytes", Throughput::Bytes(total))];
+    let views = [
+        ("records", Throughput::Elements(RECORDS)),
+        ("bytes", Throughput::Bytes(total)),
+    ];
 
     let mut g = c.benchmark_group("log_append");
     for (name, t) in views.clone() {

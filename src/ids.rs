@@ -286,6 +286,8 @@ pub enum CancelReason {
     OwnerLost,
     /// The run ended with the handoff unresolved (replay teardown).
     Teardown,
+    /// A deadline passed (a destination reservation's waiting timeout, a bootstrap timeout).
+    Expired,
 }
 
 impl CancelReason {
@@ -298,6 +300,7 @@ impl CancelReason {
             CancelReason::PeerLost => "peer-lost",
             CancelReason::OwnerLost => "owner-lost",
             CancelReason::Teardown => "teardown",
+            CancelReason::Expired => "expired",
         }
     }
 }

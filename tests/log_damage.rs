@@ -49,9 +49,15 @@ fn torn_tail_at_every_byte_of_the_last_record_is_recovered() {
         let torn = &bytes[..cut];
         let (recs, end) = read_all(torn);
         let end = end.unwrap_or_else(|e| panic!("cut at {cut}: {e}"));
-        assert_eq!(recs, all[..n - 1], "cut at {cut}: every earlier record recovered");
-        let want =
-            (cut > last).then_some(TornTail { offset: last as u64, bytes: (cut - last) as u64 });
+        assert_eq!(
+            recs,
+            all[..n - 1],
+            "cut at {cut}: every earlier record recovered"
+        );
+        let want = (cut > last).then_some(TornTail {
+            offset: last as u64,
+            bytes: (cut - last) as u64,
+        });
         assert_eq!(end, want, "cut at {cut}");
 
         // On disk: verify reports without writing; recover truncates to a clean stream.
@@ -60,13 +66,25 @@ fn torn_tail_at_every_byte_of_the_last_record_is_recovered() {
         let summary = verify_stream(&path).unwrap();
         assert_eq!(summary.records, (n - 1) as u64);
         assert_eq!(summary.torn_tail, want);
-        assert_eq!(std::fs::metadata(&path).unwrap().len(), cut as u64, "verify never writes");
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().len(),
+            cut as u64,
+            "verify never writes"
+        );
         assert_eq!(recover(&path).unwrap(), want);
-        assert_eq!(std::fs::read(&path).unwrap(), bytes[..last], "cut to the last sound record");
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            bytes[..last],
+            "cut to the last sound record"
+        );
         let again = verify_stream(&path).unwrap();
         assert_eq!(again.torn_tail, None);
         assert_eq!(again.records, (n - 1) as u64);
-        assert_eq!(recover(&path).unwrap(), None, "a clean stream is left alone");
+        assert_eq!(
+            recover(&path).unwrap(),
+            None,
+            "a clean stream is left alone"
+        );
     }
 }
 
@@ -76,7 +94,10 @@ fn a_flipped_byte_in_a_middle_record_names_its_offset() {
     let (bytes, offsets) = sample();
     for victim in [offsets.len() / 2, 1, offsets.len() - 1] {
         let start = offsets[victim] as usize;
-        let end = offsets.get(victim + 1).map(|o| *o as usize).unwrap_or(bytes.len());
+        let end = offsets
+            .get(victim + 1)
+            .map(|o| *o as usize)
+            .unwrap_or(bytes.len());
         for pos in start..end {
             for mask in [0x01u8, 0x80, 0xFF] {
                 let mut bad = bytes.clone();
@@ -86,7 +107,11 @@ fn a_flipped_byte_in_a_middle_record_names_its_offset() {
                     Err(e) => e,
                     Ok(t) => panic!("byte {pos} ^ {mask:#x} of record {victim}: no error ({t:?})"),
                 };
-                assert_eq!(err.offset(), Some(start as u64), "byte {pos} ^ {mask:#x}: {err}");
+                assert_eq!(
+                    err.offset(),
+                    Some(start as u64),
+                    "byte {pos} ^ {mask:#x}: {err}"
+                );
                 assert!(
                     matches!(err, LogError::Corrupt { .. } | LogError::SequenceGap { .. }),
                     "{err}"
@@ -94,7 +119,11 @@ fn a_flipped_byte_in_a_middle_record_names_its_offset() {
                 let msg = err.to_string();
                 assert!(msg.contains("mem.hlog"), "{msg}");
                 assert!(msg.contains(&format!("byte offset {start}")), "{msg}");
-                assert_eq!(recs.len(), victim, "records before the damage are still returned");
+                assert_eq!(
+                    recs.len(),
+                    victim,
+                    "records before the damage are still returned"
+                );
             }
         }
     }
@@ -127,20 +156,35 @@ fn bad_magic_unknown_version_and_unknown_codec() {
     bad[0] = b'X';
     let e = read_all(&bad).1.unwrap_err();
     assert!(matches!(e, LogError::BadMagic { .. }), "{e}");
-    assert!(e.to_string().contains("mem.hlog") && e.to_string().contains("byte offset 0"), "{e}");
+    assert!(
+        e.to_string().contains("mem.hlog") && e.to_string().contains("byte offset 0"),
+        "{e}"
+    );
 
     let mut v2 = bytes.clone();
     v2[8..10].copy_from_slice(&2u16.to_le_bytes());
     match read_all(&v2).1 {
-        Err(e @ LogError::UnsupportedVersion { found: 2, supported: 1, .. }) => {
-            assert!(e.to_string().contains("unsupported format version 2"), "{e}");
+        Err(
+            e @ LogError::UnsupportedVersion {
+                found: 2,
+                supported: 1,
+                ..
+            },
+        ) => {
+            assert!(
+                e.to_string().contains("unsupported format version 2"),
+                "{e}"
+            );
         }
         other => panic!("{other:?}"),
     }
 
     let mut c = bytes.clone();
     c[10..12].copy_from_slice(&99u16.to_le_bytes());
-    assert!(matches!(read_all(&c).1, Err(LogError::UnknownCodec { found: 99, .. })));
+    assert!(matches!(
+        read_all(&c).1,
+        Err(LogError::UnknownCodec { found: 99, .. })
+    ));
 
     // A merged run file is not a stream.
     let run = b"HOFFRUN\0\x01\x00\x01\x00".to_vec();
@@ -160,7 +204,10 @@ fn frame(seq: u64, at_ns: u64, fact_bytes: &[u8]) -> Vec<u8> {
 }
 
 fn header_only() -> Vec<u8> {
-    StreamWriter::new(Vec::new(), &header(3, WorkerId::decode(0))).unwrap().finish().unwrap()
+    StreamWriter::new(Vec::new(), &header(3, WorkerId::decode(0)))
+        .unwrap()
+        .finish()
+        .unwrap()
 }
 
 fn enc(f: &Fact) -> Vec<u8> {
@@ -171,14 +218,24 @@ fn enc(f: &Fact) -> Vec<u8> {
 
 #[test]
 fn sequence_gap_and_undecodable_fact_name_their_offsets() {
-    let f = enc(&Fact::RequestQueued { request: RequestId(1) });
+    let f = enc(&Fact::RequestQueued {
+        request: RequestId(1),
+    });
     let mut bytes = header_only();
     bytes.extend(frame(0, 1, &f));
     bytes.extend(frame(1, 2, &f));
     let gap_at = bytes.len() as u64;
     bytes.extend(frame(3, 3, &f));
     match read_all(&bytes) {
-        (recs, Err(LogError::SequenceGap { offset, expected: 2, found: 3, .. })) => {
+        (
+            recs,
+            Err(LogError::SequenceGap {
+                offset,
+                expected: 2,
+                found: 3,
+                ..
+            }),
+        ) => {
             assert_eq!(offset, gap_at);
             assert_eq!(recs.len(), 2);
         }
@@ -188,7 +245,14 @@ fn sequence_gap_and_undecodable_fact_name_their_offsets() {
     // The first record must be seq 0.
     let mut bytes = header_only();
     bytes.extend(frame(1, 1, &f));
-    assert!(matches!(read_all(&bytes).1, Err(LogError::SequenceGap { expected: 0, found: 1, .. })));
+    assert!(matches!(
+        read_all(&bytes).1,
+        Err(LogError::SequenceGap {
+            expected: 0,
+            found: 1,
+            ..
+        })
+    ));
 
     // A checksum-valid record whose fact does not decode (variant 200; trailing bytes).
     for junk in [vec![200u8], [f.clone(), vec![0]].concat(), vec![]] {
@@ -245,7 +309,11 @@ fn damaged_length_of_the_last_record_is_not_a_torn_tail() {
         let p = dir.path().join("x.hlog");
         std::fs::write(&p, &bad).unwrap();
         assert!(recover(&p).is_err());
-        assert_eq!(std::fs::read(&p).unwrap(), bad, "recover writes nothing on damage");
+        assert_eq!(
+            std::fs::read(&p).unwrap(),
+            bad,
+            "recover writes nothing on damage"
+        );
     }
 }
 
@@ -257,7 +325,13 @@ fn open_append_cuts_a_torn_tail_and_continues() {
     let last = *offsets.last().unwrap();
     std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
     let (mut w, torn) = StreamWriter::open_append(&path).unwrap();
-    assert_eq!(torn, Some(TornTail { offset: last, bytes: bytes.len() as u64 - 3 - last }));
+    assert_eq!(
+        torn,
+        Some(TornTail {
+            offset: last,
+            bytes: bytes.len() as u64 - 3 - last
+        })
+    );
     let n = offsets.len() as u64;
     assert_eq!(w.next_seq(), n - 1);
     assert_eq!(w.append(999, &Fact::KvCleared).unwrap(), n - 1);
@@ -276,9 +350,14 @@ fn open_append_cuts_a_torn_tail_and_continues() {
 
 #[test]
 fn io_errors_name_the_file() {
-    let e = StreamReader::open(Path::new("/nonexistent/dir/decode-9.hlog")).err().unwrap();
+    let e = StreamReader::open(Path::new("/nonexistent/dir/decode-9.hlog"))
+        .err()
+        .unwrap();
     assert!(matches!(e, LogError::Io { .. }));
-    assert!(e.to_string().contains("/nonexistent/dir/decode-9.hlog"), "{e}");
+    assert!(
+        e.to_string().contains("/nonexistent/dir/decode-9.hlog"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -297,4 +376,39 @@ fn verify_counts_records_and_distinct_handoffs() {
     assert_eq!(s.first_at_ns, Some(facts[0].0));
     assert_eq!(s.last_at_ns, Some(facts.last().unwrap().0));
     assert_eq!(s.bytes, bytes.len() as u64);
+}
+
+mod no_panic {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+        /// Arbitrary damage (overwritten bytes, garbage appended, cuts) never panics: every
+        /// outcome is records, a clean end, a torn tail, or a typed error.
+        #[test]
+        fn arbitrary_damage_never_panics(
+            edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..6),
+            tail in prop::collection::vec(any::<u8>(), 0..64),
+            cut in any::<prop::sample::Index>(),
+        ) {
+            let (mut bytes, _) = sample();
+            for (i, b) in edits {
+                let at = i.index(bytes.len());
+                bytes[at] = b;
+            }
+            bytes.extend_from_slice(&tail);
+            let keep = cut.index(bytes.len() + 1);
+            bytes.truncate(keep);
+            let (recs, end) = read_all(&bytes);
+            if let Err(e) = &end {
+                // Errors point inside the file.
+                if let Some(off) = e.offset() {
+                    prop_assert!(off <= bytes.len() as u64, "{e}");
+                }
+            }
+            prop_assert!(recs.len() <= golden_facts().len() + tail.len());
+        }
+    }
 }

@@ -14,6 +14,8 @@
 
 pub mod perf;
 pub mod request;
+pub mod sglang;
+pub mod vllm;
 
 pub use perf::{PolynomialTiming, StepShape, TimingModel};
 pub use request::Request;

@@ -2,6 +2,7 @@
 
 mod cmd_inspect;
 mod cmd_project;
+mod cmd_replay;
 mod cmd_show;
 mod cmd_timeline;
 mod cmd_verify;
@@ -53,6 +54,7 @@ enum Command {
     },
     /// Replay a trace through a simulated disaggregated (or aggregated) cluster; print the
     /// serving report and write one fact stream per worker to `--out`.
+    Replay(cmd_replay::ReplayArgs),
     /// Write a run directory as one merged file (records in merge order).
     Merge {
         /// A run directory (or any run).
@@ -121,6 +123,7 @@ fn main() -> ExitCode {
         Command::Project { log, what, json } => cmd_project::run(&log, what, json),
         Command::Merge { run, out } => cmd_verify::merge(&run, &out),
         Command::Recover { run } => cmd_verify::recover(&run),
+        Command::Replay(args) => cmd_replay::run(args),
         Command::Inspect(args) => cmd_inspect::run(&args),
         Command::Timeline(args) => cmd_timeline::run(&args),
     };

@@ -28,6 +28,11 @@ pub struct ReplayConfig {
     pub seed: u64,
     pub vllm: VllmConfig,
     pub sglang: SglangConfig,
+    /// Per-role engine settings; a role without its own uses `vllm` / `sglang`.
+    pub prefill_vllm: Option<VllmConfig>,
+    pub decode_vllm: Option<VllmConfig>,
+    pub prefill_sglang: Option<SglangConfig>,
+    pub decode_sglang: Option<SglangConfig>,
     pub transfer: TransferConfig,
     /// Source lease (vLLM's abort timeout, default 480 s).
     pub lease_ms: u64,
@@ -58,6 +63,10 @@ impl Default for ReplayConfig {
             seed: 0,
             vllm: VllmConfig::default(),
             sglang: SglangConfig::default(),
+            prefill_vllm: None,
+            decode_vllm: None,
+            prefill_sglang: None,
+            decode_sglang: None,
             transfer: TransferConfig::default(),
             lease_ms: 480_000,
             lease_renew_ms: None,
@@ -73,9 +82,17 @@ impl Default for ReplayConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("{path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{path}: line {line}, column {column}: {message}")]
-    Parse { path: String, line: usize, column: usize, message: String },
+    Parse {
+        path: String,
+        line: usize,
+        column: usize,
+        message: String,
+    },
     #[error("invalid configuration: {0}")]
     Invalid(String),
 }
@@ -83,14 +100,36 @@ pub enum ConfigError {
 impl ReplayConfig {
     /// Reads a JSON configuration file; keys not given keep their defaults.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
         serde_json::from_str(&text).map_err(|e| ConfigError::Parse {
             path: path.display().to_string(),
             line: e.line(),
             column: e.column(),
             message: e.to_string(),
         })
+    }
+
+    /// The vLLM settings for a worker of `role`.
+    pub fn vllm_for(&self, role: crate::ids::Role) -> &VllmConfig {
+        let own = match role {
+            crate::ids::Role::Prefill => self.prefill_vllm.as_ref(),
+            crate::ids::Role::Decode => self.decode_vllm.as_ref(),
+            _ => None,
+        };
+        own.unwrap_or(&self.vllm)
+    }
+
+    /// The SGLang settings for a worker of `role`.
+    pub fn sglang_for(&self, role: crate::ids::Role) -> &SglangConfig {
+        let own = match role {
+            crate::ids::Role::Prefill => self.prefill_sglang.as_ref(),
+            crate::ids::Role::Decode => self.decode_sglang.as_ref(),
+            _ => None,
+        };
+        own.unwrap_or(&self.sglang)
     }
 
     /// The policy in force.
@@ -116,7 +155,9 @@ impl ReplayConfig {
                 ));
             }
             if self.effective_policy() == HandoffPolicy::Disabled {
-                return bad("policy `disabled` applies to aggregated serving only; use --workers N".into());
+                return bad(
+                    "policy `disabled` applies to aggregated serving only; use --workers N".into(),
+                );
             }
         } else if self.workers == 0 {
             return bad("no workers: give --workers N or --prefill N --decode M".into());
@@ -125,14 +166,20 @@ impl ReplayConfig {
             return bad("trtllm: destination reservation is not modeled yet (the proposal defers it); use vllm or sglang".into());
         }
         if !(self.arrival_speedup > 0.0 && self.arrival_speedup.is_finite()) {
-            return bad(format!("arrival_speedup must be a positive number, got {}", self.arrival_speedup));
+            return bad(format!(
+                "arrival_speedup must be a positive number, got {}",
+                self.arrival_speedup
+            ));
         }
         if self.lease_ms == 0 {
             return bad("lease_ms must be > 0".into());
         }
         if let Some(r) = self.lease_renew_ms {
             if r == 0 || r >= self.lease_ms {
-                return bad(format!("lease_renew_ms ({r}) must be > 0 and < lease_ms ({})", self.lease_ms));
+                return bad(format!(
+                    "lease_renew_ms ({r}) must be > 0 and < lease_ms ({})",
+                    self.lease_ms
+                ));
             }
         }
         if self.reservation_timeout_ms == 0 || self.bootstrap_timeout_ms == 0 {

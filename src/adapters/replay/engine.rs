@@ -30,13 +30,17 @@ use crate::ids::{
 use crate::lifecycle::destination::{
     DestinationAction, DestinationConfig, DestinationEvent, DestinationHandoff, DestinationInit,
 };
-use crate::lifecycle::messages::{HandoffMessage, MessageBody};
-use crate::lifecycle::source::{SourceAction, SourceConfig, SourceEvent, SourceHandoff, SourceInit};
+use crate::lifecycle::messages::HandoffMessage;
+use crate::lifecycle::source::{
+    SourceAction, SourceConfig, SourceEvent, SourceHandoff, SourceInit,
+};
 use crate::projections::metrics::{MetricsFold, MetricsReport, PerRequest};
 use crate::router::Router;
 use crate::schedulers::sglang::SglangCore;
 use crate::schedulers::vllm::VllmCore;
-use crate::schedulers::{CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, Request};
+use crate::schedulers::{
+    CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, Request,
+};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::path::Path;
@@ -62,8 +66,16 @@ pub enum ReplayError {
 #[derive(Clone, Debug)]
 enum Cmd {
     Submit(Request),
-    DispatchPrefill { handoff: HandoffId, request: Request, lease_ns: u64 },
-    Reserve { handoff: HandoffId, request: Request, deadline_ns: u64 },
+    DispatchPrefill {
+        handoff: HandoffId,
+        request: Request,
+        lease_ns: u64,
+    },
+    Reserve {
+        handoff: HandoffId,
+        request: Request,
+        deadline_ns: u64,
+    },
     Activate(HandoffId),
     ReleaseSource(HandoffId, EndReason),
     CancelSource(HandoffId, CancelReason),
@@ -167,7 +179,6 @@ pub struct Replay<'a> {
     held_back: bool,
     block_size: u32,
     progress: Option<Progress<'a>>,
-    error: Option<ReplayError>,
 }
 
 impl<'a> Replay<'a> {
@@ -180,7 +191,9 @@ impl<'a> Replay<'a> {
     ) -> Result<Self, ReplayError> {
         cfg.validate()?;
         let policy = cfg.effective_policy();
-        cfg.transfer.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        cfg.transfer
+            .validate()
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         let transfer = cfg.transfer.clone();
         let mut mint = IdMint::from_seed(cfg.seed);
         let run_id = uuid::Uuid::from_u64_pair(mint.next_u64(), mint.next_u64());
@@ -201,13 +214,22 @@ impl<'a> Replay<'a> {
         for w in &workers {
             let core: Box<dyn EngineCore> = match cfg.backend {
                 Backend::Vllm | Backend::TrtLlm => Box::new(
-                    VllmCore::new(*w, cfg.backend, cfg.vllm.clone()).map_err(|e| ConfigError::Invalid(format!("vllm: {e}")))?,
+                    VllmCore::new(*w, cfg.backend, cfg.vllm_for(w.role).clone())
+                        .map_err(|e| ConfigError::Invalid(format!("vllm: {e}")))?,
                 ),
                 Backend::Sglang => Box::new(
-                    SglangCore::new(*w, cfg.sglang.clone()).map_err(|e| ConfigError::Invalid(format!("sglang: {e}")))?,
+                    SglangCore::new(*w, cfg.sglang_for(w.role).clone())
+                        .map_err(|e| ConfigError::Invalid(format!("sglang: {e}")))?,
                 ),
             };
             let shape = core.shape();
+            if block_size != 0 && shape.block_size != block_size {
+                return Err(ConfigError::Invalid(format!(
+                    "{w}: block size {} differs from other workers' {block_size}; KV-aware routing and transfers need one block size",
+                    shape.block_size
+                ))
+                .into());
+            }
             block_size = shape.block_size;
             let header = header(run_id, *w, &cfg, policy, shape);
             metrics.add_stream(&header);
@@ -228,18 +250,33 @@ impl<'a> Replay<'a> {
         metrics.add_stream(&router_header);
         headers.push(router_header);
         let out = RunWriter::create(out_dir, headers)?;
-        let (prefill_workers, decode_workers): (Vec<WorkerId>, Vec<WorkerId>) = if cfg.is_disaggregated() {
-            workers.iter().partition(|w| w.role == Role::Prefill)
-        } else {
-            (workers.clone(), Vec::new())
-        };
-        let route_err = |e: crate::router::RouterError| ConfigError::Invalid(format!("router: {e}"));
-        let prefill_router =
-            Router::new(prefill_workers, cfg.prefill_router.clone(), block_size, mint.next_u64()).map_err(route_err)?;
+        let (prefill_workers, decode_workers): (Vec<WorkerId>, Vec<WorkerId>) =
+            if cfg.is_disaggregated() {
+                workers.iter().partition(|w| w.role == Role::Prefill)
+            } else {
+                (workers.clone(), Vec::new())
+            };
+        let route_err =
+            |e: crate::router::RouterError| ConfigError::Invalid(format!("router: {e}"));
+        let prefill_router = Router::new(
+            prefill_workers,
+            cfg.prefill_router.clone(),
+            block_size,
+            mint.next_u64(),
+        )
+        .map_err(route_err)?;
         let decode_router = if decode_workers.is_empty() {
             None
         } else {
-            Some(Router::new(decode_workers, cfg.decode_router.clone(), block_size, mint.next_u64()).map_err(route_err)?)
+            Some(
+                Router::new(
+                    decode_workers,
+                    cfg.decode_router.clone(),
+                    block_size,
+                    mint.next_u64(),
+                )
+                .map_err(route_err)?,
+            )
         };
         let mut r = Replay {
             policy,
@@ -262,14 +299,18 @@ impl<'a> Replay<'a> {
             held_back: false,
             block_size,
             progress: None,
-            error: None,
             cfg,
         };
         for s in 0..r.slots.len() {
             let g = r.slots[s].generation;
             r.emit(s, 0, Fact::SessionStarted { generation: g })?;
         }
-        r.emit_router(0, Fact::SessionStarted { generation: Generation(1) })?;
+        r.emit_router(
+            0,
+            Fact::SessionStarted {
+                generation: Generation(1),
+            },
+        )?;
         r.next_arrival = r.trace.next_request()?;
         if let Some(t) = &r.next_arrival {
             let at = t.arrival_ns();
@@ -285,12 +326,19 @@ impl<'a> Replay<'a> {
 
     fn push(&mut self, at_ns: u64, ev: Ev) {
         self.seq += 1;
-        self.queue.push(Reverse(Queued { at_ns, seq: self.seq, ev }));
+        self.queue.push(Reverse(Queued {
+            at_ns,
+            seq: self.seq,
+            ev,
+        }));
     }
 
     fn emit(&mut self, slot: usize, at_ns: u64, fact: Fact) -> Result<(), ReplayError> {
         let worker = self.slots[slot].id;
-        if matches!(fact, Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared) {
+        if matches!(
+            fact,
+            Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared
+        ) {
             self.prefill_router.observe(worker, &fact);
             if let Some(d) = self.decode_router.as_mut() {
                 d.observe(worker, &fact);
@@ -303,7 +351,8 @@ impl<'a> Replay<'a> {
 
     fn emit_router(&mut self, at_ns: u64, fact: Fact) -> Result<(), ReplayError> {
         let seq = self.out.append(WorkerId::ROUTER, at_ns, &fact)?;
-        self.metrics.apply(WorkerId::ROUTER, &Record { seq, at_ns, fact });
+        self.metrics
+            .apply(WorkerId::ROUTER, &Record { seq, at_ns, fact });
         Ok(())
     }
 
@@ -314,12 +363,6 @@ impl<'a> Replay<'a> {
         Ok(())
     }
 
-    fn fail(&mut self, e: ReplayError) {
-        if self.error.is_none() {
-            self.error = Some(e);
-        }
-    }
-
     /// Runs to the end of the trace and until every event is handled.
     pub fn run(mut self) -> Result<ReplayOutcome, ReplayError> {
         while let Some(Reverse(q)) = self.queue.pop() {
@@ -327,9 +370,6 @@ impl<'a> Replay<'a> {
             self.now_ns = q.at_ns;
             self.events += 1;
             self.handle(q.ev)?;
-            if let Some(e) = self.error.take() {
-                return Err(e);
-            }
             if self.events % 4096 == 0 {
                 if let Some(p) = self.progress.as_mut() {
                     p(self.arrivals, self.now_ns);
@@ -340,7 +380,13 @@ impl<'a> Replay<'a> {
         let drained = stuck.is_empty();
         self.out.finish()?;
         let report = self.metrics.report();
-        Ok(ReplayOutcome { report, drained, stuck, events: self.events, virtual_end_ns: self.now_ns })
+        Ok(ReplayOutcome {
+            report,
+            drained,
+            stuck,
+            events: self.events,
+            virtual_end_ns: self.now_ns,
+        })
     }
 
     fn handle(&mut self, ev: Ev) -> Result<(), ReplayError> {
@@ -398,7 +444,9 @@ impl<'a> Replay<'a> {
             self.held_back = true;
             return Ok(());
         }
-        let Some(t) = self.next_arrival.take() else { return Ok(()) };
+        let Some(t) = self.next_arrival.take() else {
+            return Ok(());
+        };
         let now = self.now_ns;
         let request = t.to_request();
         self.arrivals += 1;
@@ -410,7 +458,11 @@ impl<'a> Replay<'a> {
         let id = request.id;
         self.emit_router(
             now,
-            Fact::RequestArrived { request: id, input_tokens: request.input_tokens, output_tokens: request.output_tokens },
+            Fact::RequestArrived {
+                request: id,
+                input_tokens: request.input_tokens,
+                output_tokens: request.output_tokens,
+            },
         )?;
         let prompt_blocks = request.input_tokens.div_ceil(self.block_size);
         let total_blocks = (request.input_tokens + request.output_tokens).div_ceil(self.block_size);
@@ -430,23 +482,48 @@ impl<'a> Replay<'a> {
             self.emit_router(now, booked)?;
             self.guards.insert(
                 id,
-                Guard { request: request.clone(), handoff: None, prefill: Some(p_slot), decode: Some(p_slot), activated: false, fail_status: None },
+                Guard {
+                    request: request.clone(),
+                    handoff: None,
+                    prefill: Some(p_slot),
+                    decode: Some(p_slot),
+                    activated: false,
+                    fail_status: None,
+                },
             );
-            self.push(now, Ev::Command { slot: p_slot, cmd: Cmd::Submit(request) });
+            self.push(
+                now,
+                Ev::Command {
+                    slot: p_slot,
+                    cmd: Cmd::Submit(request),
+                },
+            );
             return Ok(());
         }
         let handoff = self.mint.handoff_id();
         self.handoff_request.insert(handoff, id);
-        let demand = KvHandoffDemand { context_tokens: request.input_tokens, max_output_tokens: request.output_tokens };
-        let mut guard =
-            Guard { request: request.clone(), handoff: Some(handoff), prefill: Some(p_slot), decode: None, activated: false, fail_status: None };
+        let demand = KvHandoffDemand {
+            context_tokens: request.input_tokens,
+            max_output_tokens: request.output_tokens,
+        };
+        let mut guard = Guard {
+            request: request.clone(),
+            handoff: Some(handoff),
+            prefill: Some(p_slot),
+            decode: None,
+            activated: false,
+            fail_status: None,
+        };
         let mut dest = None;
         if self.policy == HandoffPolicy::DestinationFirst {
             // SGLang: the decode is chosen (and booked) together with the prefill.
             let d_slot = self.route_decode(id, &request)?;
             guard.decode = Some(d_slot);
             dest = Some(d_slot);
-            self.push(now + self.cfg.bootstrap_timeout_ms * NS_PER_MS, Ev::BootstrapTimer { request: id });
+            self.push(
+                now + self.cfg.bootstrap_timeout_ms * NS_PER_MS,
+                Ev::BootstrapTimer { request: id },
+            );
         }
         self.guards.insert(id, guard);
         let source = SourceHandoff::new(SourceInit {
@@ -478,21 +555,35 @@ impl<'a> Replay<'a> {
     fn route_decode(&mut self, id: RequestId, request: &Request) -> Result<usize, ReplayError> {
         let now = self.now_ns;
         let total_blocks = (request.input_tokens + request.output_tokens).div_ceil(self.block_size);
-        let router = self.decode_router.as_mut().ok_or_else(|| ReplayError::Engine("no decode router".into()))?;
+        let router = self
+            .decode_router
+            .as_mut()
+            .ok_or_else(|| ReplayError::Engine("no decode router".into()))?;
         let d = router.select(request).worker;
-        let booked = router.book_decode(id, d, total_blocks).map_err(|e| ReplayError::Engine(e.to_string()))?;
+        let booked = router
+            .book_decode(id, d, total_blocks)
+            .map_err(|e| ReplayError::Engine(e.to_string()))?;
         self.emit_router(now, booked)?;
         Ok(self.slot_of(d))
     }
 
-    fn start_destination(&mut self, d_slot: usize, handoff: HandoffId, request: &Request, p_slot: usize) -> Result<(), ReplayError> {
+    fn start_destination(
+        &mut self,
+        d_slot: usize,
+        handoff: HandoffId,
+        request: &Request,
+        p_slot: usize,
+    ) -> Result<(), ReplayError> {
         let now = self.now_ns;
         let d = self.slots[d_slot].id;
         let dest = DestinationHandoff::new(DestinationInit {
             handoff,
             request: request.id,
             policy: self.policy,
-            demand: KvHandoffDemand { context_tokens: request.input_tokens, max_output_tokens: request.output_tokens },
+            demand: KvHandoffDemand {
+                context_tokens: request.input_tokens,
+                max_output_tokens: request.output_tokens,
+            },
             worker: d,
             generation: self.slots[d_slot].generation,
             source: Some(self.slots[p_slot].id),
@@ -508,7 +599,13 @@ impl<'a> Replay<'a> {
         self.slots[d_slot].destinations.insert(handoff, dest);
         self.destination_event(d_slot, handoff, DestinationEvent::Routed { worker: d })?;
         if let Some(renew) = self.cfg.lease_renew_ms {
-            self.push(now + renew * NS_PER_MS, Ev::RenewTimer { slot: d_slot, handoff });
+            self.push(
+                now + renew * NS_PER_MS,
+                Ev::RenewTimer {
+                    slot: d_slot,
+                    handoff,
+                },
+            );
         }
         Ok(())
     }
@@ -570,12 +667,20 @@ impl<'a> Replay<'a> {
                 let r = core.submit(request, now);
                 self.command_result(s, r, None, Some(id))
             }
-            Cmd::DispatchPrefill { handoff, request, lease_ns } => {
+            Cmd::DispatchPrefill {
+                handoff,
+                request,
+                lease_ns,
+            } => {
                 let id = request.id;
                 let r = core.submit_handoff_prefill(handoff, request, lease_ns, now);
                 self.command_result(s, r, Some(handoff), Some(id))
             }
-            Cmd::Reserve { handoff, request, deadline_ns } => {
+            Cmd::Reserve {
+                handoff,
+                request,
+                deadline_ns,
+            } => {
                 let r = core.reserve_destination(handoff, request, deadline_ns, now);
                 self.command_result(s, r, Some(handoff), None)
             }
@@ -592,6 +697,12 @@ impl<'a> Replay<'a> {
                 self.command_result(s, r, Some(h), None)
             }
             Cmd::CancelDestination(h, reason) => {
+                // The core's cancel names a cause; an expired reservation is canceled as expired.
+                let reason = match reason {
+                    EndReason::Canceled(r) => r,
+                    EndReason::Expired => CancelReason::Expired,
+                    EndReason::Success => CancelReason::TransferFailed,
+                };
                 let r = core.cancel_destination(h, reason, now);
                 self.command_result(s, r, Some(h), None)
             }
@@ -607,7 +718,9 @@ impl<'a> Replay<'a> {
     ) -> Result<(), ReplayError> {
         self.apply_effects(s, r.effects)?;
         match r.outcome {
-            Ok(CommandOutcome::Applied | CommandOutcome::NoOp | CommandOutcome::Unavailable) => Ok(()),
+            Ok(CommandOutcome::Applied | CommandOutcome::NoOp | CommandOutcome::Unavailable) => {
+                Ok(())
+            }
             Err(e) => self.command_failed(s, e, handoff, request),
         }
     }
@@ -626,12 +739,16 @@ impl<'a> Replay<'a> {
             CommandError::NeverFits { .. } => CancelReason::DestinationRejected,
             // Unknown handoffs and invalid states mean an action raced a cleanup the core
             // already did: nothing to unwind.
-            CommandError::UnknownHandoff(_) | CommandError::InvalidState { .. } | CommandError::DuplicateHandoff(_) => {
+            CommandError::UnknownHandoff(_)
+            | CommandError::InvalidState { .. }
+            | CommandError::DuplicateHandoff(_) => {
                 tracing::debug!(worker = %self.slots[s].id, error = %e, "command refused");
                 return Ok(());
             }
         };
-        if let Some(req) = request.or_else(|| handoff.and_then(|h| self.handoff_request.get(&h).copied())) {
+        if let Some(req) =
+            request.or_else(|| handoff.and_then(|h| self.handoff_request.get(&h).copied()))
+        {
             if let Some(g) = self.guards.get_mut(&req) {
                 g.fail_status = Some(TerminalStatus::Rejected);
             }
@@ -646,7 +763,9 @@ impl<'a> Replay<'a> {
             _ => {}
         }
         // Whatever the machines did, the request ends now (a no-op if they already ended it).
-        if let Some(req) = request.or_else(|| handoff.and_then(|h| self.handoff_request.get(&h).copied())) {
+        if let Some(req) =
+            request.or_else(|| handoff.and_then(|h| self.handoff_request.get(&h).copied()))
+        {
             self.terminal(req, TerminalStatus::Rejected, 0)?;
         }
         Ok(())
@@ -672,7 +791,11 @@ impl<'a> Replay<'a> {
                     }
                 }
             }
-            EngineOutput::Finished { request, status, output_tokens } => {
+            EngineOutput::Finished {
+                request,
+                status,
+                output_tokens,
+            } => {
                 if let Some(h) = self.guards.get(&request).and_then(|g| g.handoff) {
                     if self.slots[s].destinations.contains_key(&h) {
                         self.destination_event(s, h, DestinationEvent::RequestFinished)?;
@@ -683,12 +806,21 @@ impl<'a> Replay<'a> {
             EngineOutput::Rejected { request, .. } => {
                 self.terminal(request, TerminalStatus::Rejected, 0)?;
             }
-            EngineOutput::SourcePinned { handoff, request, lease, blocks, deadline_ns } => {
+            EngineOutput::SourcePinned {
+                handoff,
+                request,
+                lease,
+                blocks,
+                deadline_ns,
+            } => {
                 if let Some(f) = self.prefill_router.prefill_compute_done(request) {
                     self.emit_router(now, f)?;
                 }
                 // Source-first: the decode is routed once the prefill is done and pinned.
-                let needs_route = self.guards.get(&request).is_some_and(|g| g.decode.is_none());
+                let needs_route = self
+                    .guards
+                    .get(&request)
+                    .is_some_and(|g| g.decode.is_none());
                 if needs_route && self.policy == HandoffPolicy::SourceFirst {
                     let req = self.guards[&request].request.clone();
                     let d_slot = self.route_decode(request, &req)?;
@@ -697,9 +829,21 @@ impl<'a> Replay<'a> {
                     }
                     self.start_destination(d_slot, handoff, &req, s)?;
                 }
-                self.source_event(s, handoff, SourceEvent::PrefillPinned { lease, blocks, deadline_ns })?;
+                self.source_event(
+                    s,
+                    handoff,
+                    SourceEvent::PrefillPinned {
+                        lease,
+                        blocks,
+                        deadline_ns,
+                    },
+                )?;
             }
-            EngineOutput::DestinationReserved { handoff, reservation, summary } => {
+            EngineOutput::DestinationReserved {
+                handoff,
+                reservation,
+                summary,
+            } => {
                 self.destination_event(
                     s,
                     handoff,
@@ -711,13 +855,19 @@ impl<'a> Replay<'a> {
                 )?;
             }
             EngineOutput::ReservationFailed { handoff, .. } => {
-                if let Some(g) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get_mut(r)) {
+                if let Some(g) = self
+                    .handoff_request
+                    .get(&handoff)
+                    .and_then(|r| self.guards.get_mut(r))
+                {
                     g.fail_status = Some(TerminalStatus::Rejected);
                 }
                 self.destination_event(
                     s,
                     handoff,
-                    DestinationEvent::ReservationFailed { reason: CancelReason::DestinationRejected },
+                    DestinationEvent::ReservationFailed {
+                        reason: CancelReason::DestinationRejected,
+                    },
                 )?;
                 if let Some(req) = self.handoff_request.get(&handoff).copied() {
                     self.terminal(req, TerminalStatus::Rejected, 0)?;
@@ -729,9 +879,16 @@ impl<'a> Replay<'a> {
 
     // ----- role machines -----
 
-    fn source_event(&mut self, s: usize, handoff: HandoffId, ev: SourceEvent) -> Result<(), ReplayError> {
+    fn source_event(
+        &mut self,
+        s: usize,
+        handoff: HandoffId,
+        ev: SourceEvent,
+    ) -> Result<(), ReplayError> {
         let now = self.now_ns;
-        let Some(m) = self.slots[s].sources.get_mut(&handoff) else { return Ok(()) };
+        let Some(m) = self.slots[s].sources.get_mut(&handoff) else {
+            return Ok(());
+        };
         let t = match m.handle(ev, now) {
             Ok(t) => t,
             Err(e) => {
@@ -744,17 +901,44 @@ impl<'a> Replay<'a> {
             }
         };
         let released = m.is_released();
-        let success = matches!(m.state(), crate::lifecycle::source::SourceState::Released { how: EndReason::Success });
+        let success = matches!(
+            m.state(),
+            crate::lifecycle::source::SourceState::Released {
+                how: EndReason::Success
+            }
+        );
         self.emit_all(s, now, t.facts)?;
         for a in t.actions {
             match a {
                 SourceAction::DispatchPrefill { lease_ns } => {
-                    let Some(req) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get(r)) else { continue };
+                    let Some(req) = self
+                        .handoff_request
+                        .get(&handoff)
+                        .and_then(|r| self.guards.get(r))
+                    else {
+                        continue;
+                    };
                     let request = req.request.clone();
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::DispatchPrefill { handoff, request, lease_ns } });
+                    self.push(
+                        now,
+                        Ev::Command {
+                            slot: s,
+                            cmd: Cmd::DispatchPrefill {
+                                handoff,
+                                request,
+                                lease_ns,
+                            },
+                        },
+                    );
                 }
                 SourceAction::ReleaseSource { reason, .. } => {
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::ReleaseSource(handoff, reason) });
+                    self.push(
+                        now,
+                        Ev::Command {
+                            slot: s,
+                            cmd: Cmd::ReleaseSource(handoff, reason),
+                        },
+                    );
                     if let Some(req) = self.handoff_request.get(&handoff).copied() {
                         if let Some(f) = self.prefill_router.free_prefill(req) {
                             self.emit_router(now, f)?;
@@ -762,7 +946,13 @@ impl<'a> Replay<'a> {
                     }
                 }
                 SourceAction::CancelPrefill { reason } => {
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::CancelSource(handoff, reason) });
+                    self.push(
+                        now,
+                        Ev::Command {
+                            slot: s,
+                            cmd: Cmd::CancelSource(handoff, reason),
+                        },
+                    );
                 }
                 SourceAction::Send { to, message } => {
                     let slot = self.slot_of(to);
@@ -788,9 +978,16 @@ impl<'a> Replay<'a> {
         Ok(())
     }
 
-    fn destination_event(&mut self, s: usize, handoff: HandoffId, ev: DestinationEvent) -> Result<(), ReplayError> {
+    fn destination_event(
+        &mut self,
+        s: usize,
+        handoff: HandoffId,
+        ev: DestinationEvent,
+    ) -> Result<(), ReplayError> {
         let now = self.now_ns;
-        let Some(m) = self.slots[s].destinations.get_mut(&handoff) else { return Ok(()) };
+        let Some(m) = self.slots[s].destinations.get_mut(&handoff) else {
+            return Ok(());
+        };
         let t = match m.handle(ev, now) {
             Ok(t) => t,
             Err(e) => {
@@ -807,9 +1004,25 @@ impl<'a> Replay<'a> {
         for a in t.actions {
             match a {
                 DestinationAction::ReserveDestination { deadline_ns } => {
-                    let Some(req) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get(r)) else { continue };
+                    let Some(req) = self
+                        .handoff_request
+                        .get(&handoff)
+                        .and_then(|r| self.guards.get(r))
+                    else {
+                        continue;
+                    };
                     let request = req.request.clone();
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::Reserve { handoff, request, deadline_ns } });
+                    self.push(
+                        now,
+                        Ev::Command {
+                            slot: s,
+                            cmd: Cmd::Reserve {
+                                handoff,
+                                request,
+                                deadline_ns,
+                            },
+                        },
+                    );
                 }
                 DestinationAction::StartReceive { missing_tokens, .. } => {
                     let at = now + self.transfer.transfer_ns(missing_tokens as u64);
@@ -821,20 +1034,41 @@ impl<'a> Replay<'a> {
                             g.activated = true;
                         }
                     }
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::Activate(handoff) });
+                    self.push(
+                        now,
+                        Ev::Command {
+                            slot: s,
+                            cmd: Cmd::Activate(handoff),
+                        },
+                    );
                 }
                 DestinationAction::ReleaseDestination { reason, .. } => {
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::CancelDestination(handoff, reason) });
+                    self.push(
+                        now,
+                        Ev::Command {
+                            slot: s,
+                            cmd: Cmd::CancelDestination(handoff, reason),
+                        },
+                    );
                 }
                 DestinationAction::AbortRequest { reason } => {
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::CancelDestination(handoff, EndReason::Canceled(reason)) });
+                    self.push(
+                        now,
+                        Ev::Command {
+                            slot: s,
+                            cmd: Cmd::CancelDestination(handoff, EndReason::Canceled(reason)),
+                        },
+                    );
                 }
                 DestinationAction::Send { to, message } => {
                     let slot = self.slot_of(to);
                     self.push(now, Ev::Deliver { slot, msg: message });
                 }
                 DestinationAction::ScheduleReservationTimer { deadline_ns } => {
-                    self.push(deadline_ns.max(now), Ev::ReservationTimer { slot: s, handoff });
+                    self.push(
+                        deadline_ns.max(now),
+                        Ev::ReservationTimer { slot: s, handoff },
+                    );
                 }
             }
         }
@@ -851,7 +1085,9 @@ impl<'a> Replay<'a> {
     /// A role ended its part of the handoff without success: unless decode already runs, the
     /// request ends (rejected if a core refused it, failed otherwise).
     fn fail_unless_activated(&mut self, req: RequestId) -> Result<(), ReplayError> {
-        let Some(g) = self.guards.get(&req) else { return Ok(()) };
+        let Some(g) = self.guards.get(&req) else {
+            return Ok(());
+        };
         if g.activated {
             return Ok(());
         }
@@ -861,7 +1097,10 @@ impl<'a> Replay<'a> {
 
     /// Drops the frontend's correlation once neither role holds the handoff.
     fn forget_handoff(&mut self, handoff: HandoffId) {
-        let held = self.slots.iter().any(|s| s.sources.contains_key(&handoff) || s.destinations.contains_key(&handoff));
+        let held = self
+            .slots
+            .iter()
+            .any(|s| s.sources.contains_key(&handoff) || s.destinations.contains_key(&handoff));
         if held {
             return;
         }
@@ -876,7 +1115,9 @@ impl<'a> Replay<'a> {
     /// The destination's heartbeat: while it still waits to read, it renews the source lease.
     fn on_renew(&mut self, s: usize, handoff: HandoffId) -> Result<(), ReplayError> {
         let now = self.now_ns;
-        let Some(m) = self.slots[s].destinations.get(&handoff) else { return Ok(()) };
+        let Some(m) = self.slots[s].destinations.get(&handoff) else {
+            return Ok(());
+        };
         if !matches!(m.state_name(), "NotRouted" | "Reserving" | "Reserved") {
             return Ok(());
         }
@@ -889,30 +1130,55 @@ impl<'a> Replay<'a> {
 
     /// SGLang's bootstrap timeout: a prefill still waiting for its destination fails.
     fn on_bootstrap_timeout(&mut self, request: RequestId) -> Result<(), ReplayError> {
-        let Some(g) = self.guards.get(&request) else { return Ok(()) };
-        let (Some(h), Some(p)) = (g.handoff, g.prefill) else { return Ok(()) };
-        let waiting = self.slots[p].sources.get(&h).is_some_and(|m| m.state_name() == "NotStarted");
+        let Some(g) = self.guards.get(&request) else {
+            return Ok(());
+        };
+        let (Some(h), Some(p)) = (g.handoff, g.prefill) else {
+            return Ok(());
+        };
+        let waiting = self.slots[p]
+            .sources
+            .get(&h)
+            .is_some_and(|m| m.state_name() == "NotStarted");
         if waiting {
-            self.source_event(p, h, SourceEvent::Cancelled { reason: CancelReason::PeerLost })?;
+            self.source_event(
+                p,
+                h,
+                SourceEvent::Cancelled {
+                    reason: CancelReason::PeerLost,
+                },
+            )?;
         }
         Ok(())
     }
 
     /// The request's terminal outcome: the frontend's guard frees its bookings exactly once.
-    fn terminal(&mut self, request: RequestId, status: TerminalStatus, output_tokens: u32) -> Result<(), ReplayError> {
+    fn terminal(
+        &mut self,
+        request: RequestId,
+        status: TerminalStatus,
+        output_tokens: u32,
+    ) -> Result<(), ReplayError> {
         let now = self.now_ns;
-        let Some(g) = self.guards.remove(&request) else { return Ok(()) };
+        let Some(g) = self.guards.remove(&request) else {
+            return Ok(());
+        };
         if let Some(f) = self.prefill_router.prefill_compute_done(request) {
             self.emit_router(now, f)?;
         }
         // A pinned source keeps its prefill booking until it is released.
-        let source_held = g.handoff.is_some_and(|h| g.prefill.is_some_and(|p| self.slots[p].sources.contains_key(&h)));
+        let source_held = g.handoff.is_some_and(|h| {
+            g.prefill
+                .is_some_and(|p| self.slots[p].sources.contains_key(&h))
+        });
         if !source_held {
             if let Some(f) = self.prefill_router.free_prefill(request) {
                 self.emit_router(now, f)?;
             }
         }
-        let decode_router = if self.policy == HandoffPolicy::Disabled { &mut self.prefill_router } else {
+        let decode_router = if self.policy == HandoffPolicy::Disabled {
+            &mut self.prefill_router
+        } else {
             match self.decode_router.as_mut() {
                 Some(r) => r,
                 None => &mut self.prefill_router,
@@ -922,16 +1188,36 @@ impl<'a> Replay<'a> {
             self.emit_router(now, f)?;
         }
         let kv = crate::events::KvDelta::ZERO;
-        self.emit_router(now, Fact::RequestFinished { request, status, output_tokens, kv })?;
+        self.emit_router(
+            now,
+            Fact::RequestFinished {
+                request,
+                status,
+                output_tokens,
+                kv,
+            },
+        )?;
         if let Some(h) = g.handoff {
             // Anything still held for this handoff on either role is canceled.
             if status != TerminalStatus::Completed {
                 for s in 0..self.slots.len() {
                     if self.slots[s].sources.contains_key(&h) {
-                        self.source_event(s, h, SourceEvent::Cancelled { reason: CancelReason::RequestAborted })?;
+                        self.source_event(
+                            s,
+                            h,
+                            SourceEvent::Cancelled {
+                                reason: CancelReason::RequestAborted,
+                            },
+                        )?;
                     }
                     if self.slots[s].destinations.contains_key(&h) {
-                        self.destination_event(s, h, DestinationEvent::Cancelled { reason: CancelReason::RequestAborted })?;
+                        self.destination_event(
+                            s,
+                            h,
+                            DestinationEvent::Cancelled {
+                                reason: CancelReason::RequestAborted,
+                            },
+                        )?;
                     }
                 }
             }
@@ -952,7 +1238,10 @@ impl<'a> Replay<'a> {
             for (h, m) in &slot.sources {
                 out.push(format!(
                     "handoff {h} ({}) source on {} stuck in {}: {}",
-                    self.handoff_request.get(h).map(|r| r.to_string()).unwrap_or_default(),
+                    self.handoff_request
+                        .get(h)
+                        .map(|r| r.to_string())
+                        .unwrap_or_default(),
                     slot.id,
                     m.state_name(),
                     match m.state_name() {
@@ -967,7 +1256,10 @@ impl<'a> Replay<'a> {
             for (h, m) in &slot.destinations {
                 out.push(format!(
                     "handoff {h} ({}) destination on {} stuck in {}: {}",
-                    self.handoff_request.get(h).map(|r| r.to_string()).unwrap_or_default(),
+                    self.handoff_request
+                        .get(h)
+                        .map(|r| r.to_string())
+                        .unwrap_or_default(),
                     slot.id,
                     m.state_name(),
                     match m.state_name() {
@@ -1001,6 +1293,20 @@ impl<'a> Replay<'a> {
     }
 }
 
-fn header(run_id: uuid::Uuid, worker: WorkerId, cfg: &ReplayConfig, policy: HandoffPolicy, engine: EngineShape) -> StreamHeader {
-    StreamHeader { run_id, worker, backend: cfg.backend, policy, clock: ClockDomain::Virtual, seed: cfg.seed, engine }
+fn header(
+    run_id: uuid::Uuid,
+    worker: WorkerId,
+    cfg: &ReplayConfig,
+    policy: HandoffPolicy,
+    engine: EngineShape,
+) -> StreamHeader {
+    StreamHeader {
+        run_id,
+        worker,
+        backend: cfg.backend,
+        policy,
+        clock: ClockDomain::Virtual,
+        seed: cfg.seed,
+        engine,
+    }
 }
