@@ -45,6 +45,7 @@ use crate::projections::distribution::{Distribution, Stats};
 use crate::projections::handoffs::HandoffLedger;
 use crate::projections::run::ProjectError;
 use crate::projections::scheduler::SchedulerFold;
+use crate::schedulers::SchedulerView;
 use serde::Serialize;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
@@ -87,12 +88,7 @@ pub struct InspectOptions {
 
 impl Default for InspectOptions {
     fn default() -> Self {
-        InspectOptions {
-            top_n: 5,
-            pin_threshold_pct: 50,
-            stall_ms: 1000,
-            decode_full_pct: 95,
-        }
+        InspectOptions { top_n: 5, pin_threshold_pct: 50, stall_ms: 1000, decode_full_pct: 95 }
     }
 }
 
@@ -221,10 +217,7 @@ pub struct PeakAt {
 impl PeakAt {
     fn see(&mut self, value: u64, at_ns: u64) {
         if value > self.value {
-            *self = PeakAt {
-                value,
-                at_ms: ms(at_ns),
-            };
+            *self = PeakAt { value, at_ms: ms(at_ns) };
         }
     }
 }
@@ -372,6 +365,9 @@ struct WorkerState {
     worker: WorkerId,
     cap: KvCapacitySnapshot,
     sched: SchedulerFold,
+    /// The scheduler view, recomputed at a settled instant only if the stream changed.
+    view: SchedulerView,
+    dirty: bool,
     peaks: WorkerPeaks,
     /// Prefill admission: requests queued and not scheduled, with when they queued.
     waiting_since: BTreeMap<RequestId, u64>,
@@ -485,30 +481,15 @@ const PHASES: [(&str, &str); 7] = [
         "destination_capacity",
         "source pinned → destination reserved (prefill done, waiting for decode capacity)",
     ),
-    (
-        "reservation_queue",
-        "reservation queued → reserved (waiting in a decode FIFO)",
-    ),
+    ("reservation_queue", "reservation queued → reserved (waiting in a decode FIFO)"),
     (
         "prefill_after_reservation",
         "destination reserved → transfer started (destination-first: prefill runs after reserving)",
     ),
-    (
-        "transfer",
-        "receive started → receive completed (waiting for the bytes)",
-    ),
-    (
-        "reader_ack",
-        "destination activated → source released (waiting for reader acknowledgement)",
-    ),
-    (
-        "lease_expired",
-        "source pinned → released by lease expiry (pins that waited out their lease)",
-    ),
-    (
-        "reservation_expired",
-        "destination reserved → released by reservation expiry",
-    ),
+    ("transfer", "receive started → receive completed (waiting for the bytes)"),
+    ("reader_ack", "destination activated → source released (waiting for reader acknowledgement)"),
+    ("lease_expired", "source pinned → released by lease expiry (pins that waited out their lease)"),
+    ("reservation_expired", "destination reserved → released by reservation expiry"),
 ];
 
 /// The streaming fold of pass one. Feed it every record of a run in merge order.
@@ -550,6 +531,8 @@ impl InspectFold {
                         worker: h.worker,
                         cap: KvCapacitySnapshot::empty(total),
                         sched: SchedulerFold::new(),
+                        view: SchedulerView::default(),
+                        dirty: false,
                         peaks: WorkerPeaks {
                             worker: h.worker,
                             total_blocks: total,
@@ -637,22 +620,19 @@ impl InspectFold {
         }
         let at = rec.at_ns;
         if let Some(ws) = self.workers[stream].as_mut() {
-            ws.cap
-                .apply_fact(&rec.fact)
-                .map_err(|violation| ProjectError::Capacity {
-                    worker,
-                    seq: rec.seq,
-                    at_ms: ms(at),
-                    violation,
-                })?;
-            ws.sched
-                .apply(&rec.fact)
-                .map_err(|violation| ProjectError::View {
-                    worker,
-                    seq: rec.seq,
-                    at_ms: ms(at),
-                    violation,
-                })?;
+            ws.cap.apply_fact(&rec.fact).map_err(|violation| ProjectError::Capacity {
+                worker,
+                seq: rec.seq,
+                at_ms: ms(at),
+                violation,
+            })?;
+            ws.sched.apply(&rec.fact).map_err(|violation| ProjectError::View {
+                worker,
+                seq: rec.seq,
+                at_ms: ms(at),
+                violation,
+            })?;
+            ws.dirty |= changes_view(&rec.fact);
             match &rec.fact {
                 Fact::RequestQueued { request } | Fact::RequestPreempted { request, .. } => {
                     if worker.role == Role::Prefill {
@@ -689,33 +669,19 @@ impl InspectFold {
 
     fn apply_booking(&mut self, fact: &Fact) {
         let (w, delta): (WorkerId, i64) = match *fact {
-            Fact::PrefillBooked {
-                request,
-                worker,
-                blocks,
-                ..
-            } => {
+            Fact::PrefillBooked { request, worker, blocks, .. } => {
                 let prev = self.prefill_bookings.insert((request, worker), blocks);
                 (worker, blocks as i64 - prev.unwrap_or(0) as i64)
             }
             Fact::PrefillBookingFreed { request, worker } => {
-                let b = self
-                    .prefill_bookings
-                    .remove(&(request, worker))
-                    .unwrap_or(0);
+                let b = self.prefill_bookings.remove(&(request, worker)).unwrap_or(0);
                 (worker, -(b as i64))
             }
-            Fact::DecodeBooked {
-                request,
-                worker,
-                blocks,
-            } => {
+            Fact::DecodeBooked { request, worker, blocks } => {
                 let prev = self.decode_bookings.insert((request, worker), blocks);
                 (worker, blocks as i64 - prev.unwrap_or(0) as i64)
             }
-            Fact::DecodeBookingFreed {
-                request, worker, ..
-            } => {
+            Fact::DecodeBookingFreed { request, worker, .. } => {
                 let b = self.decode_bookings.remove(&(request, worker)).unwrap_or(0);
                 (worker, -(b as i64))
             }
@@ -933,37 +899,39 @@ impl InspectFold {
         let stall_ns = opts.stall_ms.saturating_mul(1_000_000);
         // Decode pressure (cluster level), judged first so an episode that starts at `t` can
         // trigger a stall that starts at `t`.
-        let mut pressured: Vec<(WorkerId, String, f64)> = Vec::new();
+        // (worker, full, pending reservations, refused), built into words only when kept.
+        let mut pressured: Vec<(WorkerId, bool, u64, bool, u64, u64)> = Vec::new();
         for ws in self.workers.iter_mut().flatten() {
+            if ws.dirty {
+                ws.view = ws.sched.view();
+                ws.dirty = false;
+            }
             if ws.worker.role != Role::Decode {
                 ws.refused_now = false;
                 continue;
             }
             let used = ws.cap.kv_used_blocks();
             let total = ws.total();
-            let v = ws.sched.view();
-            let mut why = Vec::new();
-            if total > 0 && used * 100 >= opts.decode_full_pct as u64 * total {
-                why.push(format!("kv_used {}%", pct(used, total)));
-            }
-            if v.pending_reservations > 0 {
-                why.push(format!("{} reservations pending", v.pending_reservations));
-            }
-            if ws.refused_now {
-                why.push("reservation refused".to_string());
+            let full = total > 0 && used * 100 >= opts.decode_full_pct as u64 * total;
+            let pending = ws.view.pending_reservations;
+            if full || pending > 0 || ws.refused_now {
+                pressured.push((ws.worker, full, pending, ws.refused_now, used, total));
             }
             ws.refused_now = false;
-            if !why.is_empty() {
-                pressured.push((ws.worker, why.join(", "), pct(used, total)));
-            }
         }
-        let prefill_pinned: BTreeMap<WorkerId, f64> = self
-            .workers
-            .iter()
-            .flatten()
-            .filter(|w| w.worker.role == Role::Prefill)
-            .map(|w| (w.worker, pct(w.cap.pinned_source_blocks, w.total())))
-            .collect();
+        let why = |full: bool, pending: u64, refused: bool, used: u64, total: u64| {
+            let mut why = Vec::new();
+            if full {
+                why.push(format!("kv_used {}%", pct(used, total)));
+            }
+            if pending > 0 {
+                why.push(format!("{pending} reservations pending"));
+            }
+            if refused {
+                why.push("reservation refused".to_string());
+            }
+            why.join(", ")
+        };
         if !pressured.is_empty() {
             let reopen = matches!(&self.episode, Some(ep) if ep.off_since_ns.is_none()
                 || ep.off_since_ns.is_some_and(|off| t.saturating_sub(off) < stall_ns));
@@ -972,7 +940,13 @@ impl InspectFold {
                     start_ns: t,
                     off_since_ns: None,
                     decode: BTreeMap::new(),
-                    prefill_pinned_pct: prefill_pinned.clone(),
+                    prefill_pinned_pct: self
+                        .workers
+                        .iter()
+                        .flatten()
+                        .filter(|w| w.worker.role == Role::Prefill)
+                        .map(|w| (w.worker, pct(w.cap.pinned_source_blocks, w.total())))
+                        .collect(),
                 });
             }
             if let Some(ep) = self.episode.as_mut() {
@@ -997,9 +971,9 @@ impl InspectFold {
                             ew.peak_at_ns = t;
                         }
                     }
-                    for (w, why, _) in &pressured {
+                    for (w, full, pending, refused, used, total) in &pressured {
                         if let Some(ew) = ep.decode.get_mut(w) {
-                            ew.reason.get_or_insert_with(|| why.clone());
+                            ew.reason.get_or_insert_with(|| why(*full, *pending, *refused, *used, *total));
                         }
                     }
                 }
@@ -1013,7 +987,7 @@ impl InspectFold {
                 continue;
             };
             let c = ws.cap;
-            let v = ws.sched.view();
+            let v = ws.view;
             let p = &mut ws.peaks;
             p.active.see(c.active_blocks, t);
             p.pinned_source.see(c.pinned_source_blocks, t);
@@ -1051,8 +1025,7 @@ impl InspectFold {
             if over {
                 b.overbooked_ms += span_ms;
             }
-            let unbooked =
-                ws.worker.role == Role::Prefill && c.pinned_source_blocks > 0 && booked == 0;
+            let unbooked = ws.worker.role == Role::Prefill && c.pinned_source_blocks > 0 && booked == 0;
             track(
                 &mut ws.unbooked,
                 &mut ws.divergences,
@@ -1071,8 +1044,7 @@ impl InspectFold {
             if ws.worker.role != Role::Prefill {
                 continue;
             }
-            let hot =
-                total > 0 && c.pinned_source_blocks * 100 >= opts.pin_threshold_pct as u64 * total;
+            let hot = total > 0 && c.pinned_source_blocks * 100 >= opts.pin_threshold_pct as u64 * total;
             let oldest = ws.waiting_order.first().copied();
             let pinned_pct = pct(c.pinned_source_blocks, total);
             let stalled_from = oldest.map(|(q, _)| q.saturating_add(stall_ns).max(t));
@@ -1117,6 +1089,26 @@ impl InspectFold {
     }
 }
 
+/// Whether a fact can change the scheduler view's counts (the facts
+/// [`SchedulerFold::apply`] acts on); steps and KV events, most of a log, cannot.
+pub fn changes_view(fact: &Fact) -> bool {
+    matches!(
+        fact,
+        Fact::RequestQueued { .. }
+            | Fact::RequestScheduled { .. }
+            | Fact::RequestPreempted { .. }
+            | Fact::RequestFinished { .. }
+            | Fact::RequestRejected { .. }
+            | Fact::SourcePinned { .. }
+            | Fact::SourceReleased { .. }
+            | Fact::ReservationQueued { .. }
+            | Fact::ReservationDequeued { .. }
+            | Fact::DestinationReserved { .. }
+            | Fact::DestinationActivated { .. }
+            | Fact::ReservationReleased { .. }
+    )
+}
+
 /// A longest-pinned candidate found by pass one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TopPin {
@@ -1132,8 +1124,7 @@ impl InspectFold {
     pub fn finish(mut self) -> (InspectReport, Vec<TopPin>) {
         let end = self.now_ns.unwrap_or(0);
         self.settle(end, end);
-        let open: Vec<(HandoffId, HState)> =
-            std::mem::take(&mut self.handoffs).into_iter().collect();
+        let open: Vec<(HandoffId, HState)> = std::mem::take(&mut self.handoffs).into_iter().collect();
         for (id, h) in open {
             self.finish_handoff(id, h, end, true);
         }
@@ -1157,10 +1148,7 @@ impl InspectFold {
             if let Some(st) = ws.stall.take() {
                 push_stall(ws, st, None, end);
             }
-            for (slot, kind) in [
-                (&mut ws.overbooked, "overbooked"),
-                (&mut ws.unbooked, "unbooked_pins"),
-            ] {
+            for (slot, kind) in [(&mut ws.overbooked, "overbooked"), (&mut ws.unbooked, "unbooked_pins")] {
                 if let Some(d) = slot.take() {
                     close_divergence(
                         d,
@@ -1190,9 +1178,7 @@ impl InspectFold {
             }
         }
         divergences.sort_by(|a, b| {
-            (a.worker, a.kind)
-                .cmp(&(b.worker, b.kind))
-                .then(a.started_at_ms.total_cmp(&b.started_at_ms))
+            (a.worker, a.kind).cmp(&(b.worker, b.kind)).then(a.started_at_ms.total_cmp(&b.started_at_ms))
         });
 
         let cascade = self.cascade_start.take().map(|(start_ns, ep)| {
@@ -1299,28 +1285,16 @@ impl InspectFold {
         let mut top: Vec<TopPin> = self
             .top
             .into_iter()
-            .map(|Reverse((d, Reverse(id), still))| TopPin {
-                handoff: id,
-                pinned_ns: d,
-                still_pinned: still,
-            })
+            .map(|Reverse((d, Reverse(id), still))| TopPin { handoff: id, pinned_ns: d, still_pinned: still })
             .collect();
-        top.sort_by(|a, b| {
-            b.pinned_ns
-                .cmp(&a.pinned_ns)
-                .then(a.handoff.cmp(&b.handoff))
-        });
+        top.sort_by(|a, b| b.pinned_ns.cmp(&a.pinned_ns).then(a.handoff.cmp(&b.handoff)));
 
         let first = self.headers.first();
         let report = InspectReport {
             run: RunInfo {
                 run_id: first.map(|h| h.run_id.to_string()).unwrap_or_default(),
-                backend: first
-                    .map(|h| h.backend.as_str().to_string())
-                    .unwrap_or_default(),
-                policy: first
-                    .map(|h| h.policy.as_str().to_string())
-                    .unwrap_or_default(),
+                backend: first.map(|h| h.backend.as_str().to_string()).unwrap_or_default(),
+                policy: first.map(|h| h.policy.as_str().to_string()).unwrap_or_default(),
                 seed: first.map(|h| h.seed).unwrap_or(0),
                 workers: workers_info,
                 records: self.records,
@@ -1332,11 +1306,7 @@ impl InspectFold {
             gating,
             peaks,
             longest_pinned: Vec::new(),
-            wait_breakdown: WaitBreakdown {
-                handoffs: self.handoff_count,
-                phases,
-                outcomes: self.outcomes,
-            },
+            wait_breakdown: WaitBreakdown { handoffs: self.handoff_count, phases, outcomes: self.outcomes },
             bookings: Bookings {
                 workers: booking_rows,
                 divergences,
@@ -1447,12 +1417,7 @@ fn track(
 ) {
     match (slot.as_mut(), on) {
         (Some(d), true) => d.worst = d.worst.max(value),
-        (None, true) => {
-            *slot = Some(OpenDivergence {
-                start_ns: t,
-                worst: value,
-            })
-        }
+        (None, true) => *slot = Some(OpenDivergence { start_ns: t, worst: value }),
         (Some(_), false) => {
             if let Some(d) = slot.take() {
                 close_divergence(d, list, dropped, worker, kind, Some(t), t);

@@ -40,32 +40,16 @@ pub struct TimelineOptions {
 
 impl Default for TimelineOptions {
     fn default() -> Self {
-        TimelineOptions {
-            worker: None,
-            from_ns: None,
-            to_ns: None,
-            max_buckets: 300,
-        }
+        TimelineOptions { worker: None, from_ns: None, to_ns: None, max_buckets: 300 }
     }
 }
 
 /// Capacity series, in this order: the five block classes bottom to top, then router booked.
-pub const CAPACITY_SERIES: [&str; 6] = [
-    "active",
-    "pinned_source",
-    "reserved_destination",
-    "cached_free",
-    "free",
-    "booked",
-];
+pub const CAPACITY_SERIES: [&str; 6] =
+    ["active", "pinned_source", "reserved_destination", "cached_free", "free", "booked"];
 /// Queue series.
-pub const QUEUE_SERIES: [&str; 5] = [
-    "waiting",
-    "running",
-    "waiting_for_remote_kv",
-    "held_prefills",
-    "pending_reservations",
-];
+pub const QUEUE_SERIES: [&str; 5] =
+    ["waiting", "running", "waiting_for_remote_kv", "held_prefills", "pending_reservations"];
 
 /// One kept point: time and one value per series.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -167,10 +151,7 @@ impl<const N: usize> Downsampler<N> {
                 b.points.push(s);
                 b.reduce();
             }
-            _ => self.buckets.push(Bucket {
-                index,
-                points: vec![s],
-            }),
+            _ => self.buckets.push(Bucket { index, points: vec![s] }),
         }
     }
 
@@ -199,10 +180,7 @@ impl<const N: usize> Downsampler<N> {
         if self.width_ns == 0 {
             return self.raw.clone();
         }
-        self.buckets
-            .iter()
-            .flat_map(|b| b.points.iter().copied())
-            .collect()
+        self.buckets.iter().flat_map(|b| b.points.iter().copied()).collect()
     }
 }
 
@@ -236,6 +214,8 @@ struct Live {
     cap: KvCapacitySnapshot,
     sched: SchedulerFold,
     booked: u64,
+    /// The stream changed since its queues were last counted.
+    dirty: bool,
     last_cap: Option<[u64; 6]>,
     last_q: Option<[u64; 5]>,
     /// The latest state before the window (drawn from the window's start).
@@ -257,15 +237,13 @@ impl Live {
             self.booked,
         ]
     }
-    fn q_values(&self) -> [u64; 5] {
+    fn q_values(&mut self) -> [u64; 5] {
+        if let Some(v) = self.last_q.filter(|_| !self.dirty) {
+            return v;
+        }
+        self.dirty = false;
         let v = self.sched.view();
-        [
-            v.waiting,
-            v.running,
-            v.waiting_for_remote_kv,
-            v.held_prefills,
-            v.pending_reservations,
-        ]
+        [v.waiting, v.running, v.waiting_for_remote_kv, v.held_prefills, v.pending_reservations]
     }
 }
 
@@ -273,28 +251,23 @@ impl Live {
 pub fn collect(path: &Path, opts: &TimelineOptions) -> Result<TimelineData, ProjectError> {
     let mut run = RunReader::open(path)?;
     let headers = run.headers().to_vec();
-    let index: BTreeMap<WorkerId, usize> = headers
-        .iter()
-        .enumerate()
-        .map(|(i, h)| (h.worker, i))
-        .collect();
+    let index: BTreeMap<WorkerId, usize> = headers.iter().enumerate().map(|(i, h)| (h.worker, i)).collect();
     let mut live: Vec<Option<Live>> = headers
         .iter()
         .map(|h| {
-            (h.worker.role != Role::Router && opts.worker.map_or(true, |w| w == h.worker)).then(
-                || Live {
-                    worker: h.worker,
-                    cap: KvCapacitySnapshot::empty(h.engine.total_blocks as u64),
-                    sched: SchedulerFold::new(),
-                    booked: 0,
-                    last_cap: None,
-                    last_q: None,
-                    pre_cap: None,
-                    pre_q: None,
-                    cap_ds: None,
-                    q_ds: None,
-                },
-            )
+            (h.worker.role != Role::Router && opts.worker.map_or(true, |w| w == h.worker)).then(|| Live {
+                worker: h.worker,
+                cap: KvCapacitySnapshot::empty(h.engine.total_blocks as u64),
+                sched: SchedulerFold::new(),
+                booked: 0,
+                dirty: true,
+                last_cap: None,
+                last_q: None,
+                pre_cap: None,
+                pre_q: None,
+                cap_ds: None,
+                q_ds: None,
+            })
         })
         .collect();
     let mut bookings: BTreeMap<(bool, u64, WorkerId), u32> = BTreeMap::new();
@@ -306,10 +279,7 @@ pub fn collect(path: &Path, opts: &TimelineOptions) -> Result<TimelineData, Proj
     let buckets = opts.max_buckets;
     let mut origin: Option<u64> = from;
     // The cascade definition lives in `inspect`; its fold runs alongside to mark stalls.
-    let inspect_opts = InspectOptions {
-        top_n: 0,
-        ..InspectOptions::default()
-    };
+    let inspect_opts = InspectOptions { top_n: 0, ..InspectOptions::default() };
     let mut inspect = InspectFold::new(&headers, inspect_opts);
     // The state settled at `t` is sampled.
     let settle = |live: &mut Vec<Option<Live>>, t: u64, origin: &mut Option<u64>| {
@@ -326,19 +296,13 @@ pub fn collect(path: &Path, opts: &TimelineOptions) -> Result<TimelineData, Proj
                 l.last_cap = Some(cv);
                 l.cap_ds
                     .get_or_insert_with(|| Downsampler::new(o, buckets))
-                    .push(Sample {
-                        at_ns: t,
-                        values: cv,
-                    });
+                    .push(Sample { at_ns: t, values: cv });
             }
             if l.last_q != Some(qv) {
                 l.last_q = Some(qv);
                 l.q_ds
                     .get_or_insert_with(|| Downsampler::new(o, buckets))
-                    .push(Sample {
-                        at_ns: t,
-                        values: qv,
-                    });
+                    .push(Sample { at_ns: t, values: qv });
             }
         }
     };
@@ -358,58 +322,36 @@ pub fn collect(path: &Path, opts: &TimelineOptions) -> Result<TimelineData, Proj
         inspect.apply(i, &rec)?;
         let worker = headers[i].worker;
         if let Some(l) = live[i].as_mut() {
-            l.cap
-                .apply_fact(&rec.fact)
-                .map_err(|violation| ProjectError::Capacity {
-                    worker,
-                    seq: rec.seq,
-                    at_ms: rec.at_ns as f64 / NS_PER_MS,
-                    violation,
-                })?;
-            l.sched
-                .apply(&rec.fact)
-                .map_err(|violation| ProjectError::View {
-                    worker,
-                    seq: rec.seq,
-                    at_ms: rec.at_ns as f64 / NS_PER_MS,
-                    violation,
-                })?;
+            l.cap.apply_fact(&rec.fact).map_err(|violation| ProjectError::Capacity {
+                worker,
+                seq: rec.seq,
+                at_ms: rec.at_ns as f64 / NS_PER_MS,
+                violation,
+            })?;
+            l.sched.apply(&rec.fact).map_err(|violation| ProjectError::View {
+                worker,
+                seq: rec.seq,
+                at_ms: rec.at_ns as f64 / NS_PER_MS,
+                violation,
+            })?;
+            l.dirty |= crate::projections::inspect::changes_view(&rec.fact);
         }
         // Router bookings, per booked worker.
         let (target, delta): (WorkerId, i64) = match rec.fact {
-            Fact::PrefillBooked {
-                request,
+            Fact::PrefillBooked { request, worker, blocks, .. } => (
                 worker,
-                blocks,
-                ..
-            } => (
-                worker,
-                blocks as i64
-                    - bookings
-                        .insert((false, request.0, worker), blocks)
-                        .unwrap_or(0) as i64,
+                blocks as i64 - bookings.insert((false, request.0, worker), blocks).unwrap_or(0) as i64,
             ),
-            Fact::DecodeBooked {
-                request,
+            Fact::DecodeBooked { request, worker, blocks } => (
                 worker,
-                blocks,
-            } => (
-                worker,
-                blocks as i64
-                    - bookings
-                        .insert((true, request.0, worker), blocks)
-                        .unwrap_or(0) as i64,
+                blocks as i64 - bookings.insert((true, request.0, worker), blocks).unwrap_or(0) as i64,
             ),
-            Fact::PrefillBookingFreed { request, worker } => (
-                worker,
-                -(bookings.remove(&(false, request.0, worker)).unwrap_or(0) as i64),
-            ),
-            Fact::DecodeBookingFreed {
-                request, worker, ..
-            } => (
-                worker,
-                -(bookings.remove(&(true, request.0, worker)).unwrap_or(0) as i64),
-            ),
+            Fact::PrefillBookingFreed { request, worker } => {
+                (worker, -(bookings.remove(&(false, request.0, worker)).unwrap_or(0) as i64))
+            }
+            Fact::DecodeBookingFreed { request, worker, .. } => {
+                (worker, -(bookings.remove(&(true, request.0, worker)).unwrap_or(0) as i64))
+            }
             _ => continue,
         };
         if let Some(l) = index.get(&target).and_then(|j| live[*j].as_mut()) {
@@ -442,10 +384,7 @@ pub fn collect(path: &Path, opts: &TimelineOptions) -> Result<TimelineData, Proj
                 });
             }
             if starts_late(q_points.first().map(|s| s.at_ns)) {
-                queues.push(Sample {
-                    at_ns: from_ns,
-                    values: l.pre_q.unwrap_or([0; 5]),
-                });
+                queues.push(Sample { at_ns: from_ns, values: l.pre_q.unwrap_or([0; 5]) });
             }
             capacity.extend(cap_points);
             queues.extend(q_points);
@@ -500,27 +439,13 @@ const HEAD: f64 = 96.0;
 
 /// Colors of the block classes (bottom to top) and of the booked line.
 const CAP_COLORS: [&str; 5] = ["#3b6fb6", "#e0542c", "#8e5cc2", "#9fd49a", "#eceff3"];
-const CAP_LABELS: [&str; 5] = [
-    "active",
-    "pinned source",
-    "reserved destination",
-    "cached-free",
-    "free",
-];
+const CAP_LABELS: [&str; 5] = ["active", "pinned source", "reserved destination", "cached-free", "free"];
 const Q_COLORS: [&str; 5] = ["#d62f8f", "#3b6fb6", "#8e5cc2", "#e0542c", "#1d9e8f"];
-const Q_LABELS: [&str; 5] = [
-    "waiting",
-    "running",
-    "waiting for remote KV",
-    "held prefills",
-    "pending reservations",
-];
+const Q_LABELS: [&str; 5] =
+    ["waiting", "running", "waiting for remote KV", "held prefills", "pending reservations"];
 
 fn esc(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }
 
 /// A "nice" tick step (1, 2 or 5 × 10^k) giving about `target` ticks over `span`.
@@ -544,11 +469,7 @@ fn nice_step(span: f64, target: f64) -> f64 {
 }
 
 fn fmt_tick(v: f64, step: f64) -> String {
-    let decimals = if step >= 1.0 {
-        0
-    } else {
-        (-step.log10().floor()) as usize
-    };
+    let decimals = if step >= 1.0 { 0 } else { (-step.log10().floor()) as usize };
     format!("{v:.decimals$}")
 }
 
@@ -597,21 +518,9 @@ fn step_line(xs: &[f64], ys: &[f64], x_end: f64) -> String {
     d
 }
 
-fn legend(
-    svg: &mut String,
-    x: &mut f64,
-    y: f64,
-    color: &str,
-    label: &str,
-    dashed: bool,
-    line: bool,
-) {
+fn legend(svg: &mut String, x: &mut f64, y: f64, color: &str, label: &str, dashed: bool, line: bool) {
     if line {
-        let dash = if dashed {
-            " stroke-dasharray=\"5,3\""
-        } else {
-            ""
-        };
+        let dash = if dashed { " stroke-dasharray=\"5,3\"" } else { "" };
         let _ = write!(
             svg,
             r#"<line x1="{:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="{color}" stroke-width="2"{dash}/>"#,
@@ -628,13 +537,7 @@ fn legend(
             y - 9.0
         );
     }
-    let _ = write!(
-        svg,
-        r#"<text x="{:.1}" y="{:.1}">{}</text>"#,
-        *x + 22.0,
-        y,
-        esc(label)
-    );
+    let _ = write!(svg, r#"<text x="{:.1}" y="{:.1}">{}</text>"#, *x + 22.0, y, esc(label));
     // Generic sans-serif at 12 px averages about 6.6 px per character.
     *x += 22.0 + label.chars().count() as f64 * 6.6 + 18.0;
 }
@@ -642,16 +545,13 @@ fn legend(
 /// Renders the timeline as a standalone SVG document.
 pub fn render_svg(data: &TimelineData) -> String {
     let n = data.workers.len().max(1) as f64;
-    let height = HEAD + n * (CAP_H + Q_H + PANEL_GAP + 52.0) + 10.0;
+    let height = HEAD + n * (CAP_H + Q_H + PANEL_GAP + 80.0) + 10.0;
     let mut svg = String::with_capacity(64 * 1024);
     let _ = write!(
         svg,
         r##"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH:.0}" height="{height:.0}" viewBox="0 0 {WIDTH:.0} {height:.0}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="12" fill="#222">"##
     );
-    let _ = write!(
-        svg,
-        r#"<rect x="0" y="0" width="{WIDTH:.0}" height="{height:.0}" fill="white"/>"#
-    );
+    let _ = write!(svg, r#"<rect x="0" y="0" width="{WIDTH:.0}" height="{height:.0}" fill="white"/>"#);
     // Title: run info from the headers.
     let h0 = data.headers.first();
     let span_ms = (data.to_ns - data.from_ns) as f64 / NS_PER_MS;
@@ -683,64 +583,48 @@ pub fn render_svg(data: &TimelineData) -> String {
     // Legend.
     let mut lx = LEFT;
     for k in 0..5 {
-        legend(
-            &mut svg,
-            &mut lx,
-            70.0,
-            CAP_COLORS[k],
-            CAP_LABELS[k],
-            false,
-            false,
-        );
+        legend(&mut svg, &mut lx, 70.0, CAP_COLORS[k], CAP_LABELS[k], false, false);
     }
     legend(&mut svg, &mut lx, 70.0, "#111", "router booked", true, true);
     if !data.stalls.is_empty() {
-        legend(
-            &mut svg,
-            &mut lx,
-            70.0,
-            "#b00020",
-            &data.stall_rule,
-            false,
-            false,
-        );
+        legend(&mut svg, &mut lx, 70.0, "#b00020", &data.stall_rule, false, false);
     }
     let mut lx = LEFT;
     for k in 0..5 {
-        legend(
-            &mut svg,
-            &mut lx,
-            88.0,
-            Q_COLORS[k],
-            Q_LABELS[k],
-            false,
-            true,
-        );
+        legend(&mut svg, &mut lx, 88.0, Q_COLORS[k], Q_LABELS[k], false, true);
     }
 
-    let sc = Scale {
-        t0: data.from_ns as f64,
-        t1: data.to_ns as f64,
-        x0: LEFT,
-        x1: WIDTH - RIGHT,
-    };
+    let sc = Scale { t0: data.from_ns as f64, t1: data.to_ns as f64, x0: LEFT, x1: WIDTH - RIGHT };
     let t_step = nice_step((data.to_ns - data.from_ns) as f64 / div, 10.0);
     let mut top = HEAD;
     for (wi, w) in data.workers.iter().enumerate() {
-        let cap_top = top + 34.0;
+        let cap_top = top + 50.0;
         let cap_bottom = cap_top + CAP_H;
         let q_top = cap_bottom + 30.0;
         let q_bottom = q_top + Q_H;
         let h = data.headers.iter().find(|h| h.worker == w.worker);
         let _ = write!(
             svg,
-            r#"<text x="{LEFT}" y="{:.1}" font-size="14" font-weight="bold">{} · {} blocks × {} tokens{}</text>"#,
+            r##"<text x="{LEFT}" y="{:.1}" font-size="14" font-weight="bold">{} · {} blocks × {} tokens{}</text><text x="{LEFT}" y="{:.1}" font-size="11" fill="#7a0016">{}</text>"##,
             top + 14.0,
             w.worker,
             w.total_blocks,
             w.block_size,
-            h.map(|h| format!(" · {}", h.backend.as_str()))
-                .unwrap_or_default()
+            h.map(|h| format!(" · {}", h.backend.as_str())).unwrap_or_default(),
+            top + 30.0,
+            {
+                let mine: Vec<_> = data.stalls.iter().filter(|s| s.0 == w.worker).collect();
+                match mine.first() {
+                    None => String::new(),
+                    Some((_, a, b)) => format!(
+                        "stranding stall{} ×{}, first {:.3}–{} {unit}",
+                        if mine.len() > 1 { "s" } else { "" },
+                        mine.len(),
+                        *a as f64 / div,
+                        b.map(|b| format!("{:.3}", b as f64 / div)).unwrap_or_else(|| "end".into())
+                    ),
+                }
+            }
         );
         // --- capacity chart ---
         let total = w.total_blocks.max(1) as f64;
@@ -770,12 +654,8 @@ pub fn render_svg(data: &TimelineData) -> String {
             let xs: Vec<f64> = w.capacity.iter().map(|s| sc.x(s.at_ns)).collect();
             let mut below = vec![0.0f64; w.capacity.len()];
             for k in 0..5 {
-                let above: Vec<f64> = w
-                    .capacity
-                    .iter()
-                    .zip(&below)
-                    .map(|(s, b)| b + s.values[k] as f64)
-                    .collect();
+                let above: Vec<f64> =
+                    w.capacity.iter().zip(&below).map(|(s, b)| b + s.values[k] as f64).collect();
                 let tops: Vec<f64> = above.iter().map(|v| ypx(*v)).collect();
                 let bottoms: Vec<f64> = below.iter().map(|v| ypx(*v)).collect();
                 let _ = write!(
@@ -794,20 +674,15 @@ pub fn render_svg(data: &TimelineData) -> String {
                 step_line(&xs, &booked, sc.x1)
             );
             // Where the router booked more than the worker has, say so on the top edge.
-            let over: Vec<usize> = (0..w.capacity.len())
-                .filter(|i| w.capacity[*i].values[5] > w.total_blocks)
-                .collect();
+            let over: Vec<usize> =
+                (0..w.capacity.len()).filter(|i| w.capacity[*i].values[5] > w.total_blocks).collect();
             if !over.is_empty() {
-                let peak = over
-                    .iter()
-                    .map(|i| w.capacity[*i].values[5])
-                    .max()
-                    .unwrap_or(0);
+                let peak = over.iter().map(|i| w.capacity[*i].values[5]).max().unwrap_or(0);
                 let _ = write!(
                     svg,
                     r##"<text x="{:.1}" y="{:.1}" text-anchor="end" fill="#111" font-size="11">router booked up to {} blocks, above the {} the worker has (dashed line clipped at the top)</text>"##,
                     sc.x1,
-                    top + 14.0,
+                    top + 30.0,
                     peak,
                     w.total_blocks
                 );
@@ -823,47 +698,37 @@ pub fn render_svg(data: &TimelineData) -> String {
             if xb <= xa {
                 continue;
             }
+            let decimals = if use_s { 1 } else { 0 };
             let label = format!(
-                "stall {:.0}–{} ms",
-                *start as f64 / NS_PER_MS,
-                end.map(|e| format!("{:.0}", e as f64 / NS_PER_MS))
-                    .unwrap_or_else(|| "end".into())
+                "stall {:.decimals$}–{} {unit}",
+                *start as f64 / div,
+                end.map(|e| format!("{:.decimals$}", e as f64 / div)).unwrap_or_else(|| "end".into())
             );
             let text_w = label.chars().count() as f64 * 6.4 + 8.0;
-            let (tx, color) = if xb - xa >= text_w {
-                (xa + 4.0, "white")
+            // Label a band only where it fits inside it; the panel title counts them all.
+            let text = if xb - xa >= text_w {
+                format!(
+                    r##"<text x="{:.2}" y="{:.2}" fill="white" font-size="11" font-weight="bold">{}</text>"##,
+                    xa + 4.0,
+                    cap_top - 5.0,
+                    esc(&label)
+                )
             } else {
-                (xb + 4.0, "#7a0016")
+                String::new()
             };
             let _ = write!(
                 svg,
-                r##"<rect class="stall" x="{xa:.2}" y="{cap_top:.2}" width="{w:.2}" height="{CAP_H:.2}" fill="#b00020" fill-opacity="0.08" stroke="#7a0016" stroke-width="1.4" stroke-dasharray="5,3"/><rect x="{xa:.2}" y="{:.2}" width="{w:.2}" height="13" fill="#b00020"/><text x="{tx:.2}" y="{:.2}" fill="{color}" font-size="11" font-weight="bold">{}</text>"##,
+                r##"<rect class="stall" x="{xa:.2}" y="{cap_top:.2}" width="{w:.2}" height="{CAP_H:.2}" fill="#b00020" fill-opacity="0.08" stroke="#7a0016" stroke-width="1.4" stroke-dasharray="5,3"/><rect x="{xa:.2}" y="{:.2}" width="{w:.2}" height="13" fill="#b00020" stroke="white" stroke-width="0.5"/>{text}"##,
                 cap_top - 15.0,
-                cap_top - 5.0,
-                esc(&label),
                 w = xb - xa,
             );
         }
         svg.push_str("</g>");
         // Axes of the capacity chart.
-        axis_y(
-            &mut svg,
-            cap_top,
-            cap_bottom,
-            w.total_blocks as f64,
-            "blocks",
-            sc.x0,
-            sc.x1,
-        );
+        axis_y(&mut svg, cap_top, cap_bottom, w.total_blocks as f64, "blocks", sc.x0, sc.x1);
         axis_x(&mut svg, &sc, cap_bottom, data, t_step, div, false, unit);
         // --- queue chart ---
-        let q_max = w
-            .queues
-            .iter()
-            .flat_map(|s| s.values.iter().copied())
-            .max()
-            .unwrap_or(0)
-            .max(1) as f64;
+        let q_max = w.queues.iter().flat_map(|s| s.values.iter().copied()).max().unwrap_or(0).max(1) as f64;
         let q_step = nice_step(q_max, 3.0).max(1.0);
         let q_top_val = (q_max / q_step).ceil() * q_step;
         let qy = |v: f64| q_bottom - (v / q_top_val) * Q_H;
@@ -889,9 +754,7 @@ pub fn render_svg(data: &TimelineData) -> String {
             }
         }
         svg.push_str("</g>");
-        axis_y(
-            &mut svg, q_top, q_bottom, q_top_val, "requests", sc.x0, sc.x1,
-        );
+        axis_y(&mut svg, q_top, q_bottom, q_top_val, "requests", sc.x0, sc.x1);
         axis_x(&mut svg, &sc, q_bottom, data, t_step, div, true, unit);
         top = q_bottom + PANEL_GAP;
     }
@@ -899,15 +762,7 @@ pub fn render_svg(data: &TimelineData) -> String {
     svg
 }
 
-fn axis_y(
-    svg: &mut String,
-    y_top: f64,
-    y_bottom: f64,
-    top_val: f64,
-    label: &str,
-    x0: f64,
-    x1: f64,
-) {
+fn axis_y(svg: &mut String, y_top: f64, y_bottom: f64, top_val: f64, label: &str, x0: f64, x1: f64) {
     let step = nice_step(top_val, 4.0).max(1.0);
     let _ = write!(
         svg,
