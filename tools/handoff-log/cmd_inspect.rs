@@ -90,12 +90,7 @@ fn peak_pct(p: &PeakAt, total: u64) -> String {
     if p.value == 0 || total == 0 {
         return peak(p);
     }
-    format!(
-        "{} ({:.0}%) @ {:.3}",
-        p.value,
-        p.value as f64 * 100.0 / total as f64,
-        p.at_ms
-    )
+    format!("{} ({:.0}%) @ {:.3}", p.value, p.value as f64 * 100.0 / total as f64, p.at_ms)
 }
 
 /// The report as a person reads it.
@@ -106,10 +101,7 @@ pub fn text(r: &InspectReport, path: &Path) -> String {
         s.push('\n');
     };
     let names: Vec<String> = r.run.workers.iter().map(|w| w.worker.to_string()).collect();
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     line(format!(
         "Run {name} · id {} · {} · {} · seed {} · streams {} · {} records · {:.3}–{:.3} ms",
         r.run.run_id,
@@ -185,12 +177,7 @@ pub fn text(r: &InspectReport, path: &Path) -> String {
         Some(g) => {
             line(format!("DESTINATION GATING: {}.", g.summary));
             let mut t = table();
-            t.set_header(vec![
-                "decode worker",
-                "handoffs gated",
-                "peak FIFO",
-                "FIFO non-empty (ms)",
-            ]);
+            t.set_header(vec!["decode worker", "handoffs gated", "peak FIFO", "FIFO non-empty (ms)"]);
             for w in &g.per_worker {
                 t.add_row(vec![
                     w.worker.to_string(),
@@ -201,9 +188,7 @@ pub fn text(r: &InspectReport, path: &Path) -> String {
             }
             line(t.to_string());
         }
-        None => line(
-            "DESTINATION GATING: none (no reservation waited ahead of prefill dispatch)".into(),
-        ),
+        None => line("DESTINATION GATING: none (no reservation waited ahead of prefill dispatch)".into()),
     }
     line(String::new());
 
@@ -240,10 +225,7 @@ pub fn text(r: &InspectReport, path: &Path) -> String {
     line(String::new());
 
     // --- longest pinned ---
-    line(format!(
-        "HANDOFFS PINNED LONGEST (top {})",
-        r.longest_pinned.len()
-    ));
+    line(format!("HANDOFFS PINNED LONGEST (top {})", r.longest_pinned.len()));
     if r.longest_pinned.is_empty() {
         line("  (no source pins in this run)".into());
     }
@@ -253,18 +235,10 @@ pub fn text(r: &InspectReport, path: &Path) -> String {
             h.rank,
             h.handoff,
             h.request.map(|q| q.to_string()).unwrap_or_default(),
-            h.source
-                .map(|w| w.to_string())
-                .unwrap_or_else(|| "?".into()),
-            h.destination
-                .map(|w| w.to_string())
-                .unwrap_or_else(|| "?".into()),
+            h.source.map(|w| w.to_string()).unwrap_or_else(|| "?".into()),
+            h.destination.map(|w| w.to_string()).unwrap_or_else(|| "?".into()),
             h.pinned_ms,
-            if h.still_pinned {
-                " (still pinned at run end)"
-            } else {
-                ""
-            },
+            if h.still_pinned { " (still pinned at run end)" } else { "" },
             h.pinned_blocks,
             h.outcome
         ));
@@ -287,14 +261,9 @@ pub fn text(r: &InspectReport, path: &Path) -> String {
 
     // --- wait breakdown ---
     let w = &r.wait_breakdown;
-    line(format!(
-        "WHERE HANDOFF TIME WENT ({} handoffs; ms)",
-        w.handoffs
-    ));
+    line(format!("WHERE HANDOFF TIME WENT ({} handoffs; ms)", w.handoffs));
     let mut t = table();
-    t.set_header(vec![
-        "phase", "count", "total", "mean", "p50", "p90", "p99", "max", "what",
-    ]);
+    t.set_header(vec!["phase", "count", "total", "mean", "p50", "p90", "p99", "max", "what"]);
     for p in &w.phases {
         let st = &p.stats_ms;
         t.add_row(vec![
@@ -311,11 +280,7 @@ pub fn text(r: &InspectReport, path: &Path) -> String {
     }
     line(t.to_string());
     let o = &w.outcomes;
-    let reasons: Vec<String> = o
-        .canceled_by_reason
-        .iter()
-        .map(|(k, v)| format!("{k} {v}"))
-        .collect();
+    let reasons: Vec<String> = o.canceled_by_reason.iter().map(|(k, v)| format!("{k} {v}")).collect();
     line(format!(
         "Outcomes: completed {}, lease expired {}, reservation expired {}, canceled {}{}, in flight at end {}",
         o.completed,
@@ -358,19 +323,18 @@ pub fn text(r: &InspectReport, path: &Path) -> String {
     }
     line(t.to_string());
     if r.bookings.divergences.is_empty() {
-        line("Divergences: none (no worker overbooked past its total, no pins without a prefill booking)".into());
+        line(
+            "Divergences: none (no worker overbooked past its total, no pins without a prefill booking)"
+                .into(),
+        );
     } else {
         line("Divergences:".into());
         for d in &r.bookings.divergences {
             let what = match d.kind {
-                "overbooked" => format!(
-                    "router booked up to {} blocks, more than the worker has",
-                    d.worst_blocks
-                ),
-                _ => format!(
-                    "up to {} pinned blocks with no prefill booking",
-                    d.worst_blocks
-                ),
+                "overbooked" => {
+                    format!("router booked up to {} blocks, more than the worker has", d.worst_blocks)
+                }
+                _ => format!("up to {} pinned blocks with no prefill booking", d.worst_blocks),
             };
             line(format!(
                 "  {} {} {:.3}–{} ms ({:.3} ms): {}",
@@ -383,10 +347,7 @@ pub fn text(r: &InspectReport, path: &Path) -> String {
             ));
         }
         if r.bookings.divergences_not_shown > 0 {
-            line(format!(
-                "  ({} more not shown)",
-                r.bookings.divergences_not_shown
-            ));
+            line(format!("  ({} more not shown)", r.bookings.divergences_not_shown));
         }
     }
     s.trim_end().to_string()

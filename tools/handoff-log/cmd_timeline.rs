@@ -33,10 +33,7 @@ fn ms_to_ns(flag: &str, v: Option<f64>) -> Result<Option<u64>, CliError> {
         Some(ms) if ms.is_finite() && ms >= 0.0 && ms * 1e6 < u64::MAX as f64 => {
             Ok(Some((ms * 1e6).round() as u64))
         }
-        Some(ms) => Err(CliError::new(
-            2,
-            format!("{flag} {ms}: expected a time in ms, 0 or more"),
-        )),
+        Some(ms) => Err(CliError::new(2, format!("{flag} {ms}: expected a time in ms, 0 or more"))),
     }
 }
 
@@ -44,10 +41,7 @@ pub fn run(args: &TimelineArgs) -> Result<u8, CliError> {
     let worker: Option<WorkerId> = args
         .worker
         .as_deref()
-        .map(|w| {
-            w.parse()
-                .map_err(|e: String| CliError::new(2, format!("--worker: {e}")))
-        })
+        .map(|w| w.parse().map_err(|e: String| CliError::new(2, format!("--worker: {e}"))))
         .transpose()?;
     let from_ns = ms_to_ns("--from", args.from)?;
     let to_ns = ms_to_ns("--to", args.to)?;
@@ -56,12 +50,7 @@ pub fn run(args: &TimelineArgs) -> Result<u8, CliError> {
             return Err(CliError::new(2, "--to must be later than --from"));
         }
     }
-    let opts = TimelineOptions {
-        worker,
-        from_ns,
-        to_ns,
-        max_buckets: args.buckets as usize,
-    };
+    let opts = TimelineOptions { worker, from_ns, to_ns, max_buckets: args.buckets as usize };
     let data = collect(&args.run, &opts)?;
     if let Some(w) = worker {
         if data.workers.is_empty() {
@@ -84,11 +73,6 @@ pub fn run(args: &TimelineArgs) -> Result<u8, CliError> {
     let svg = render_svg(&data);
     std::fs::write(&args.svg, svg.as_bytes())
         .map_err(|e| CliError::new(2, format!("writing {}: {e}", args.svg.display())))?;
-    eprintln!(
-        "wrote {} ({} workers, {} bytes)",
-        args.svg.display(),
-        data.workers.len(),
-        svg.len()
-    );
+    eprintln!("wrote {} ({} workers, {} bytes)", args.svg.display(), data.workers.len(), svg.len());
     Ok(0)
 }
