@@ -609,6 +609,41 @@ impl InspectFold {
         self.headers.iter().position(|h| h.worker == w)
     }
 
+    /// Moves the fold's clock to `at_ns`: if time advanced, the state of the previous instant
+    /// is settled (judged, and its queue counts refreshed) and that instant is returned. `apply`
+    /// calls it; a caller that samples settled states calls it first, samples, then applies.
+    pub fn advance(&mut self, at_ns: u64) -> Option<u64> {
+        self.first_ns.get_or_insert(at_ns);
+        match self.now_ns {
+            Some(now) if at_ns > now => {
+                self.settle(now, at_ns);
+                self.now_ns = Some(at_ns);
+                Some(now)
+            }
+            None => {
+                self.now_ns = Some(at_ns);
+                None
+            }
+            _ => None,
+        }
+    }
+
+    /// The last instant seen.
+    pub fn now_ns(&self) -> Option<u64> {
+        self.now_ns
+    }
+
+    /// An engine stream's current physical KV, queue counts and router-booked blocks (`None`
+    /// for the router stream).
+    pub fn worker_state(&mut self, stream: usize) -> Option<(KvCapacitySnapshot, SchedulerView, u64)> {
+        let ws = self.workers.get_mut(stream)?.as_mut()?;
+        if ws.dirty {
+            ws.view = ws.sched.view();
+            ws.dirty = false;
+        }
+        Some((ws.cap, ws.view, ws.booked_blocks))
+    }
+
     /// Applies one record of stream `stream` (an index into the run's headers).
     pub fn apply(&mut self, stream: usize, rec: &Record) -> Result<(), ProjectError> {
         let Some(header) = self.headers.get(stream) else {
@@ -616,15 +651,7 @@ impl InspectFold {
         };
         let worker = header.worker;
         self.records += 1;
-        self.first_ns.get_or_insert(rec.at_ns);
-        match self.now_ns {
-            Some(now) if rec.at_ns > now => {
-                self.settle(now, rec.at_ns);
-                self.now_ns = Some(rec.at_ns);
-            }
-            None => self.now_ns = Some(rec.at_ns),
-            _ => {}
-        }
+        self.advance(rec.at_ns);
         let at = rec.at_ns;
         if let Some(ws) = self.workers[stream].as_mut() {
             ws.cap.apply_fact(&rec.fact).map_err(|violation| ProjectError::Capacity {

@@ -13,12 +13,10 @@
 //!   font file is read or needed, and the chart geometry carries `data-*` attributes (time
 //!   and block scales) so tests can read values back off the drawing.
 
-use crate::events::{Fact, RunReader, StreamHeader};
+use crate::events::{RunReader, StreamHeader};
 use crate::ids::{Role, WorkerId};
-use crate::projections::capacity::KvCapacitySnapshot;
 use crate::projections::inspect::{InspectFold, InspectOptions};
 use crate::projections::run::ProjectError;
-use crate::projections::scheduler::SchedulerFold;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
@@ -149,7 +147,11 @@ impl<const N: usize> Downsampler<N> {
         match self.buckets.last_mut() {
             Some(b) if b.index == index => {
                 b.points.push(s);
-                b.reduce();
+                // Reducing in batches keeps the same points (the extremes of a union are the
+                // extremes of its parts' extremes) at a fraction of the work.
+                if b.points.len() > 4 * (1 + N) {
+                    b.reduce();
+                }
             }
             _ => self.buckets.push(Bucket { index, points: vec![s] }),
         }
@@ -163,7 +165,9 @@ impl<const N: usize> Downsampler<N> {
             match self.buckets.last_mut() {
                 Some(last) if last.index == b.index => {
                     last.points.append(&mut b.points);
-                    last.reduce();
+                    if last.points.len() > 4 * (1 + N) {
+                        last.reduce();
+                    }
                 }
                 _ => self.buckets.push(b),
             }
@@ -180,7 +184,13 @@ impl<const N: usize> Downsampler<N> {
         if self.width_ns == 0 {
             return self.raw.clone();
         }
-        self.buckets.iter().flat_map(|b| b.points.iter().copied()).collect()
+        let mut out = Vec::new();
+        for b in &self.buckets {
+            let mut b = b.clone();
+            b.reduce();
+            out.extend_from_slice(&b.points);
+        }
+        out
     }
 }
 
@@ -210,12 +220,9 @@ pub struct TimelineData {
 }
 
 struct Live {
+    stream: usize,
     worker: WorkerId,
-    cap: KvCapacitySnapshot,
-    sched: SchedulerFold,
-    booked: u64,
-    /// The stream changed since its queues were last counted.
-    dirty: bool,
+    total_blocks: u64,
     last_cap: Option<[u64; 6]>,
     last_q: Option<[u64; 5]>,
     /// The latest state before the window (drawn from the window's start).
@@ -225,68 +232,61 @@ struct Live {
     q_ds: Option<Downsampler<5>>,
 }
 
-impl Live {
-    fn cap_values(&self) -> [u64; 6] {
-        let c = &self.cap;
-        [
-            c.active_blocks,
-            c.pinned_source_blocks,
-            c.reserved_destination_blocks,
-            c.cached_free_blocks,
-            c.free_blocks,
-            self.booked,
-        ]
-    }
-    fn q_values(&mut self) -> [u64; 5] {
-        if let Some(v) = self.last_q.filter(|_| !self.dirty) {
-            return v;
-        }
-        self.dirty = false;
-        let v = self.sched.view();
-        [v.waiting, v.running, v.waiting_for_remote_kv, v.held_prefills, v.pending_reservations]
-    }
+/// Folds a run into timeline series (one pass; stops reading after the window). The folding
+/// itself (capacity, queues, bookings, stalls) is `inspect`'s; this samples its settled states.
+pub fn collect(path: &Path, opts: &TimelineOptions) -> Result<TimelineData, ProjectError> {
+    collect_with_progress(path, opts, &mut |_| {})
 }
 
-/// Folds a run into timeline series (one pass; stops reading after the window).
-pub fn collect(path: &Path, opts: &TimelineOptions) -> Result<TimelineData, ProjectError> {
+/// [`collect`], calling `progress` with the records read so far (every 64 Ki and at the end).
+pub fn collect_with_progress(
+    path: &Path,
+    opts: &TimelineOptions,
+    progress: &mut dyn FnMut(u64),
+) -> Result<TimelineData, ProjectError> {
     let mut run = RunReader::open(path)?;
     let headers = run.headers().to_vec();
     let index: BTreeMap<WorkerId, usize> = headers.iter().enumerate().map(|(i, h)| (h.worker, i)).collect();
-    let mut live: Vec<Option<Live>> = headers
+    let mut live: Vec<Live> = headers
         .iter()
-        .map(|h| {
-            (h.worker.role != Role::Router && opts.worker.map_or(true, |w| w == h.worker)).then(|| Live {
-                worker: h.worker,
-                cap: KvCapacitySnapshot::empty(h.engine.total_blocks as u64),
-                sched: SchedulerFold::new(),
-                booked: 0,
-                dirty: true,
-                last_cap: None,
-                last_q: None,
-                pre_cap: None,
-                pre_q: None,
-                cap_ds: None,
-                q_ds: None,
-            })
+        .enumerate()
+        .filter(|(_, h)| h.worker.role != Role::Router && opts.worker.map_or(true, |w| w == h.worker))
+        .map(|(i, h)| Live {
+            stream: i,
+            worker: h.worker,
+            total_blocks: h.engine.total_blocks as u64,
+            last_cap: None,
+            last_q: None,
+            pre_cap: None,
+            pre_q: None,
+            cap_ds: None,
+            q_ds: None,
         })
         .collect();
-    let mut bookings: BTreeMap<(bool, u64, WorkerId), u32> = BTreeMap::new();
-    let mut now: Option<u64> = None;
+    // The cascade definition lives in `inspect`; its fold also marks the stalls.
+    let inspect_opts = InspectOptions { top_n: 0, ..InspectOptions::default() };
+    let mut fold = InspectFold::new(&headers, inspect_opts);
     let mut first: Option<u64> = None;
     let mut records = 0u64;
-    let from = opts.from_ns;
     let to = opts.to_ns;
     let buckets = opts.max_buckets;
-    let mut origin: Option<u64> = from;
-    // The cascade definition lives in `inspect`; its fold runs alongside to mark stalls.
-    let inspect_opts = InspectOptions { top_n: 0, ..InspectOptions::default() };
-    let mut inspect = InspectFold::new(&headers, inspect_opts);
+    let mut origin: Option<u64> = opts.from_ns;
     // The state settled at `t` is sampled.
-    let settle = |live: &mut Vec<Option<Live>>, t: u64, origin: &mut Option<u64>| {
+    let sample = |live: &mut Vec<Live>, fold: &mut InspectFold, t: u64, origin: &mut Option<u64>| {
         let o = *origin.get_or_insert(t);
-        for l in live.iter_mut().flatten() {
-            let cv = l.cap_values();
-            let qv = l.q_values();
+        for l in live.iter_mut() {
+            let Some((c, v, booked)) = fold.worker_state(l.stream) else {
+                continue;
+            };
+            let cv = [
+                c.active_blocks,
+                c.pinned_source_blocks,
+                c.reserved_destination_blocks,
+                c.cached_free_blocks,
+                c.free_blocks,
+                booked,
+            ];
+            let qv = [v.waiting, v.running, v.waiting_for_remote_kv, v.held_prefills, v.pending_reservations];
             if t < o {
                 l.pre_cap = Some(cv);
                 l.pre_q = Some(qv);
@@ -306,70 +306,36 @@ pub fn collect(path: &Path, opts: &TimelineOptions) -> Result<TimelineData, Proj
             }
         }
     };
+    let mut stopped = false;
     while let Some((i, rec)) = run.next()? {
-        records += 1;
         first.get_or_insert(rec.at_ns);
-        if let Some(t) = now {
-            if rec.at_ns > t {
-                settle(&mut live, t, &mut origin);
-            }
-        }
         if to.is_some_and(|to| rec.at_ns > to) {
-            now = None;
+            stopped = true;
             break;
         }
-        now = Some(rec.at_ns);
-        inspect.apply(i, &rec)?;
-        let worker = headers[i].worker;
-        if let Some(l) = live[i].as_mut() {
-            l.cap.apply_fact(&rec.fact).map_err(|violation| ProjectError::Capacity {
-                worker,
-                seq: rec.seq,
-                at_ms: rec.at_ns as f64 / NS_PER_MS,
-                violation,
-            })?;
-            l.sched.apply(&rec.fact).map_err(|violation| ProjectError::View {
-                worker,
-                seq: rec.seq,
-                at_ms: rec.at_ns as f64 / NS_PER_MS,
-                violation,
-            })?;
-            l.dirty |= crate::projections::inspect::changes_view(&rec.fact);
+        records += 1;
+        if records % 65_536 == 0 {
+            progress(records);
         }
-        // Router bookings, per booked worker.
-        let (target, delta): (WorkerId, i64) = match rec.fact {
-            Fact::PrefillBooked { request, worker, blocks, .. } => (
-                worker,
-                blocks as i64 - bookings.insert((false, request.0, worker), blocks).unwrap_or(0) as i64,
-            ),
-            Fact::DecodeBooked { request, worker, blocks } => (
-                worker,
-                blocks as i64 - bookings.insert((true, request.0, worker), blocks).unwrap_or(0) as i64,
-            ),
-            Fact::PrefillBookingFreed { request, worker } => {
-                (worker, -(bookings.remove(&(false, request.0, worker)).unwrap_or(0) as i64))
-            }
-            Fact::DecodeBookingFreed { request, worker, .. } => {
-                (worker, -(bookings.remove(&(true, request.0, worker)).unwrap_or(0) as i64))
-            }
-            _ => continue,
-        };
-        if let Some(l) = index.get(&target).and_then(|j| live[*j].as_mut()) {
-            l.booked = (l.booked as i64 + delta).max(0) as u64;
+        if let Some(t) = fold.advance(rec.at_ns) {
+            sample(&mut live, &mut fold, t, &mut origin);
         }
+        fold.apply(i, &rec)?;
     }
-    let end = match now {
+    // The last instant read is settled by the end of the log (or of the window).
+    let end = match fold.now_ns() {
         Some(t) => {
-            settle(&mut live, t, &mut origin);
+            sample(&mut live, &mut fold, t, &mut origin);
             t
         }
         None => to.unwrap_or(0),
     };
+    let _ = stopped;
+    progress(records);
     let from_ns = origin.unwrap_or(first.unwrap_or(0));
     let to_ns = to.unwrap_or(end).max(from_ns + 1);
     let workers = live
         .into_iter()
-        .flatten()
         .map(|l| {
             let mut capacity = Vec::new();
             let mut queues = Vec::new();
@@ -380,7 +346,7 @@ pub fn collect(path: &Path, opts: &TimelineOptions) -> Result<TimelineData, Proj
             if starts_late(cap_points.first().map(|s| s.at_ns)) {
                 capacity.push(Sample {
                     at_ns: from_ns,
-                    values: l.pre_cap.unwrap_or([0, 0, 0, 0, l.cap.total_blocks, 0]),
+                    values: l.pre_cap.unwrap_or([0, 0, 0, 0, l.total_blocks, 0]),
                 });
             }
             if starts_late(q_points.first().map(|s| s.at_ns)) {
@@ -391,7 +357,7 @@ pub fn collect(path: &Path, opts: &TimelineOptions) -> Result<TimelineData, Proj
             let h = &headers[index[&l.worker]];
             WorkerSeries {
                 worker: l.worker,
-                total_blocks: l.cap.total_blocks,
+                total_blocks: l.total_blocks,
                 block_size: h.engine.block_size,
                 capacity,
                 queues,
@@ -399,7 +365,7 @@ pub fn collect(path: &Path, opts: &TimelineOptions) -> Result<TimelineData, Proj
             }
         })
         .collect();
-    let (report, _) = inspect.finish();
+    let (report, _) = fold.finish();
     let ns = |ms: f64| (ms * NS_PER_MS).round() as u64;
     let stalls = report
         .cascade

@@ -2,7 +2,9 @@
 
 use crate::CliError;
 use handoff_ledger::ids::WorkerId;
-use handoff_ledger::projections::timeline::{collect, render_svg, TimelineOptions};
+use handoff_ledger::projections::timeline::{collect_with_progress, render_svg, TimelineOptions};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
@@ -51,7 +53,23 @@ pub fn run(args: &TimelineArgs) -> Result<u8, CliError> {
         }
     }
     let opts = TimelineOptions { worker, from_ns, to_ns, max_buckets: args.buckets as usize };
-    let data = collect(&args.run, &opts)?;
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let b = ProgressBar::new_spinner();
+        b.set_style(
+            ProgressStyle::with_template("{spinner} folding: {pos} records read ({per_sec})")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+        );
+        b
+    });
+    let data = collect_with_progress(&args.run, &opts, &mut |n| {
+        if let Some(b) = &bar {
+            b.set_position(n);
+        }
+    });
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    let data = data?;
     if let Some(w) = worker {
         if data.workers.is_empty() {
             let known: Vec<String> = data
