@@ -263,7 +263,7 @@ pub fn text(r: &InspectReport, path: &Path) -> String {
     let w = &r.wait_breakdown;
     line(format!("WHERE HANDOFF TIME WENT ({} handoffs; ms)", w.handoffs));
     let mut t = table();
-    t.set_header(vec!["phase", "count", "total", "mean", "p50", "p90", "p99", "max", "what"]);
+    t.set_header(vec!["phase", "count", "total", "mean", "p50", "p90", "p99", "max"]);
     for p in &w.phases {
         let st = &p.stats_ms;
         t.add_row(vec![
@@ -275,10 +275,12 @@ pub fn text(r: &InspectReport, path: &Path) -> String {
             f3(st.p90),
             f3(st.p99),
             f3(st.max),
-            p.meaning.to_string(),
         ]);
     }
     line(t.to_string());
+    for p in &w.phases {
+        line(format!("  {}: {}", p.phase, p.meaning));
+    }
     let o = &w.outcomes;
     let reasons: Vec<String> = o.canceled_by_reason.iter().map(|(k, v)| format!("{k} {v}")).collect();
     line(format!(
