@@ -170,3 +170,67 @@ fn failures_are_told_apart_with_the_time_each_cost() {
     assert_eq!(top["outcome"], "lease_expired");
     assert!(v["cascade"].is_null());
 }
+
+#[test]
+fn a_merged_run_inspects_like_its_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let merged = dir.path().join("cascade.hrun");
+    Command::cargo_bin("handoff-log")
+        .unwrap()
+        .arg("merge")
+        .arg(fixture("scripted-cascade"))
+        .arg(&merged)
+        .assert()
+        .success();
+    let a = json(&fixture("scripted-cascade"));
+    let b = json(&merged);
+    assert_eq!(a, b);
+}
+
+#[test]
+fn unusable_input_is_exit_2_with_a_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::cargo_bin("handoff-log")
+        .unwrap()
+        .arg("inspect")
+        .arg(dir.path().join("missing"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("handoff-log:"));
+    // A stream whose facts contradict each other (a release with nothing pinned) is named.
+    use handoff_ledger::events::{EngineShape, Fact, KvDelta, RunWriter, StreamHeader};
+    use handoff_ledger::ids::*;
+    let run = dir.path().join("bad");
+    let h = StreamHeader {
+        run_id: uuid::Uuid::from_u128(9),
+        worker: WorkerId::prefill(0),
+        backend: Backend::Vllm,
+        policy: HandoffPolicy::SourceFirst,
+        clock: ClockDomain::Virtual,
+        seed: 0,
+        engine: EngineShape {
+            total_blocks: 4,
+            block_size: 16,
+            max_request_slots: 4,
+            config_json: String::new(),
+        },
+    };
+    let mut w = RunWriter::create(&run, [h]).unwrap();
+    w.append(
+        WorkerId::prefill(0),
+        5_000_000,
+        &Fact::SourceReleased {
+            handoff: HandoffId(uuid::Uuid::from_u128(1)),
+            lease: SourceLeaseId(1),
+            reason: EndReason::Success,
+            kv: KvDelta { pinned_source: -4, free: 4, ..KvDelta::ZERO },
+        },
+    )
+    .unwrap();
+    w.finish().unwrap();
+    let out = Command::cargo_bin("handoff-log").unwrap().arg("inspect").arg(&run).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("prefill-0 record seq 0"), "{err}");
+}

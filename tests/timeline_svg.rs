@@ -27,10 +27,7 @@ fn fold_states(run: &Path) -> States {
     let mut bookings: BTreeMap<(bool, u64, WorkerId), u32> = BTreeMap::new();
     for h in &headers {
         if h.worker.role != Role::Router {
-            caps.insert(
-                h.worker,
-                KvCapacitySnapshot::empty(h.engine.total_blocks as u64),
-            );
+            caps.insert(h.worker, KvCapacitySnapshot::empty(h.engine.total_blocks as u64));
             scheds.insert(h.worker, SchedulerFold::new());
         }
     }
@@ -53,13 +50,7 @@ fn fold_states(run: &Path) -> States {
                     c.free_blocks,
                     booked.get(w).copied().unwrap_or(0) as u64,
                 ],
-                [
-                    v.waiting,
-                    v.running,
-                    v.waiting_for_remote_kv,
-                    v.held_prefills,
-                    v.pending_reservations,
-                ],
+                [v.waiting, v.running, v.waiting_for_remote_kv, v.held_prefills, v.pending_reservations],
             ));
         }
     };
@@ -76,33 +67,20 @@ fn fold_states(run: &Path) -> States {
             scheds.get_mut(&w).unwrap().apply(&rec.fact).unwrap();
         }
         let (target, d) = match rec.fact {
-            Fact::PrefillBooked {
-                request,
-                worker,
-                blocks,
-                ..
-            } => {
+            Fact::PrefillBooked { request, worker, blocks, .. } => {
                 bookings.insert((false, request.0, worker), blocks);
                 (worker, blocks as i64)
             }
-            Fact::DecodeBooked {
-                request,
-                worker,
-                blocks,
-            } => {
+            Fact::DecodeBooked { request, worker, blocks } => {
                 bookings.insert((true, request.0, worker), blocks);
                 (worker, blocks as i64)
             }
-            Fact::PrefillBookingFreed { request, worker } => (
-                worker,
-                -(bookings.remove(&(false, request.0, worker)).unwrap_or(0) as i64),
-            ),
-            Fact::DecodeBookingFreed {
-                request, worker, ..
-            } => (
-                worker,
-                -(bookings.remove(&(true, request.0, worker)).unwrap_or(0) as i64),
-            ),
+            Fact::PrefillBookingFreed { request, worker } => {
+                (worker, -(bookings.remove(&(false, request.0, worker)).unwrap_or(0) as i64))
+            }
+            Fact::DecodeBookingFreed { request, worker, .. } => {
+                (worker, -(bookings.remove(&(true, request.0, worker)).unwrap_or(0) as i64))
+            }
             _ => continue,
         };
         *booked.entry(target).or_insert(0) += d;
@@ -183,11 +161,7 @@ impl Chart {
         let Some(d) = self.paths.get(series) else {
             return Vec::new();
         };
-        horizontal_segments(d)
-            .into_iter()
-            .filter(|(lo, hi, _)| *lo < x && x < *hi)
-            .map(|s| s.2)
-            .collect()
+        horizontal_segments(d).into_iter().filter(|(lo, hi, _)| *lo < x && x < *hi).map(|s| s.2).collect()
     }
     /// A stacked layer's thickness in blocks at x.
     fn layer(&self, series: &str, x: f64) -> f64 {
@@ -210,25 +184,14 @@ fn charts(svg: &str, class: &str, top_attr: &str) -> BTreeMap<String, Chart> {
     let doc = roxmltree::Document::parse(svg).expect("the SVG is well-formed XML");
     let root = doc.root_element();
     assert_eq!(root.tag_name().name(), "svg");
-    assert_eq!(
-        root.tag_name().namespace(),
-        Some("http://www.w3.org/2000/svg")
-    );
+    assert_eq!(root.tag_name().namespace(), Some("http://www.w3.org/2000/svg"));
     let f = |n: &roxmltree::Node, a: &str| -> f64 { n.attribute(a).unwrap().parse().unwrap() };
     let mut out = BTreeMap::new();
-    for g in doc
-        .descendants()
-        .filter(|n| n.has_tag_name("g") && n.attribute("class") == Some(class))
-    {
+    for g in doc.descendants().filter(|n| n.has_tag_name("g") && n.attribute("class") == Some(class)) {
         let paths = g
             .children()
             .filter(|c| c.has_tag_name("path"))
-            .map(|p| {
-                (
-                    p.attribute("data-series").unwrap().to_string(),
-                    p.attribute("d").unwrap().to_string(),
-                )
-            })
+            .map(|p| (p.attribute("data-series").unwrap().to_string(), p.attribute("d").unwrap().to_string()))
             .collect();
         out.insert(
             g.attribute("data-worker").unwrap().to_string(),
@@ -240,10 +203,7 @@ fn charts(svg: &str, class: &str, top_attr: &str) -> BTreeMap<String, Chart> {
                 y_bottom: f(&g, "data-y-bottom"),
                 y_top: f(&g, "data-y-top"),
                 top_value: f(&g, top_attr),
-                bucket_ns: g
-                    .attribute("data-bucket-ns")
-                    .map(|v| v.parse().unwrap())
-                    .unwrap_or(0),
+                bucket_ns: g.attribute("data-bucket-ns").map(|v| v.parse().unwrap()).unwrap_or(0),
                 paths,
             },
         );
@@ -269,35 +229,18 @@ fn timeline(run: &Path, extra: &[&str]) -> String {
 /// Instants halfway between consecutive settled instants (and the window's edges), whose x
 /// is clear of any step.
 fn sample_instants(states: &States, from: u64, to: u64) -> Vec<u64> {
-    let mut ts: Vec<u64> = states
-        .values()
-        .flat_map(|v| v.iter().map(|s| s.0))
-        .collect();
+    let mut ts: Vec<u64> = states.values().flat_map(|v| v.iter().map(|s| s.0)).collect();
     ts.push(from);
     ts.push(to);
     ts.retain(|t| *t >= from && *t <= to);
     ts.sort();
     ts.dedup();
-    ts.windows(2)
-        .filter(|w| w[1] - w[0] >= 2_000)
-        .map(|w| (w[0] + w[1]) / 2)
-        .collect()
+    ts.windows(2).filter(|w| w[1] - w[0] >= 2_000).map(|w| (w[0] + w[1]) / 2).collect()
 }
 
-const CLASSES: [&str; 5] = [
-    "active",
-    "pinned_source",
-    "reserved_destination",
-    "cached_free",
-    "free",
-];
-const QUEUES: [&str; 5] = [
-    "waiting",
-    "running",
-    "waiting_for_remote_kv",
-    "held_prefills",
-    "pending_reservations",
-];
+const CLASSES: [&str; 5] = ["active", "pinned_source", "reserved_destination", "cached_free", "free"];
+const QUEUES: [&str; 5] =
+    ["waiting", "running", "waiting_for_remote_kv", "held_prefills", "pending_reservations"];
 
 fn check_exact(run: &Path, svg: &str, states: &States, only: Option<&str>) -> usize {
     let caps = charts(svg, "capacity", "data-blocks-top");
@@ -374,10 +317,7 @@ fn svg_series_match_the_folds_at_sampled_instants() {
 fn window_and_worker_selection_match_the_folds() {
     let run = fixtures_dir().join("scripted-cascade");
     let states = fold_states(&run);
-    let svg = timeline(
-        &run,
-        &["--worker", "prefill-0", "--from", "450", "--to", "3100"],
-    );
+    let svg = timeline(&run, &["--worker", "prefill-0", "--from", "450", "--to", "3100"]);
     let checked = check_exact(&run, &svg, &states, Some("prefill-0"));
     assert!(checked > 10, "only {checked}");
     // The stall (2000–3006 ms) is marked on the prefill panel.
@@ -409,9 +349,7 @@ fn downsampled_values_are_fold_values_from_the_same_bucket() {
                 .collect();
             let drawn: Vec<f64> = CLASSES.iter().map(|c| cap.layer(c, x)).collect();
             assert!(
-                candidates
-                    .iter()
-                    .any(|c| (0..5).all(|k| (drawn[k] - c[k] as f64).abs() < 0.05)),
+                candidates.iter().any(|c| (0..5).all(|k| (drawn[k] - c[k] as f64).abs() < 0.05)),
                 "{w} at {} ms: drawn {drawn:?} is no fold state of its bucket",
                 t as f64 / 1e6
             );
@@ -419,4 +357,28 @@ fn downsampled_values_are_fold_values_from_the_same_bucket() {
         }
     }
     assert!(checked > 50);
+}
+
+#[test]
+fn bad_arguments_are_exit_2() {
+    let run = fixtures_dir().join("scripted-cascade");
+    let dir = tempfile::tempdir().unwrap();
+    for extra in [
+        vec!["--worker", "decode-7"],
+        vec!["--worker", "router"],
+        vec!["--from", "300", "--to", "200"],
+        vec!["--from", "-5"],
+    ] {
+        let out = Command::cargo_bin("handoff-log")
+            .unwrap()
+            .arg("timeline")
+            .arg(&run)
+            .arg("--svg")
+            .arg(dir.path().join("x.svg"))
+            .args(&extra)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{extra:?}");
+        assert!(!dir.path().join("x.svg").exists(), "{extra:?} wrote an SVG");
+    }
 }
