@@ -217,6 +217,9 @@ pub struct TimelineData {
     /// worker, start and end (`None`: still stalled where reading stopped), ns.
     pub stalls: Vec<(WorkerId, u64, Option<u64>)>,
     pub stall_rule: String,
+    /// Destination gating per decode worker: handoffs whose reservation waited ahead of
+    /// prefill, and the peak FIFO depth.
+    pub gating: Vec<(WorkerId, u64, u64)>,
 }
 
 struct Live {
@@ -366,6 +369,11 @@ pub fn collect_with_progress(
         })
         .collect();
     let (report, _) = fold.finish();
+    let gating = report
+        .gating
+        .as_ref()
+        .map(|g| g.per_worker.iter().map(|w| (w.worker, w.handoffs, w.peak_pending)).collect())
+        .unwrap_or_default();
     let ns = |ms: f64| (ms * NS_PER_MS).round() as u64;
     let stalls = report
         .cascade
@@ -388,6 +396,7 @@ pub fn collect_with_progress(
             "stranding stall: pins ≥ {}% and queued prefill waiting ≥ {} ms",
             inspect_opts.pin_threshold_pct, inspect_opts.stall_ms
         ),
+        gating,
     })
 }
 
@@ -534,8 +543,9 @@ pub fn render_svg(data: &TimelineData) -> String {
         None => "KV blocks per worker".to_string(),
     };
     let sub = format!(
-        "{} workers drawn · {:.3}–{:.3} {unit} · {} records read",
+        "{} worker{} drawn · {:.3}–{:.3} {unit} · {} records read",
         data.workers.len(),
+        if data.workers.len() == 1 { "" } else { "s" },
         data.from_ns as f64 / div,
         data.to_ns as f64 / div,
         data.records
@@ -569,28 +579,38 @@ pub fn render_svg(data: &TimelineData) -> String {
         let q_top = cap_bottom + 30.0;
         let q_bottom = q_top + Q_H;
         let h = data.headers.iter().find(|h| h.worker == w.worker);
+        // What happened on this worker, in one line under its name.
+        let mine: Vec<_> = data.stalls.iter().filter(|s| s.0 == w.worker).collect();
+        let gated = data.gating.iter().find(|g| g.0 == w.worker);
+        let (note, note_color) = match (mine.first(), gated) {
+            (Some((_, a, b)), _) => (
+                format!(
+                    "stranding stall{} ×{}, first {:.3}–{} {unit}",
+                    if mine.len() > 1 { "s" } else { "" },
+                    mine.len(),
+                    *a as f64 / div,
+                    b.map(|b| format!("{:.3}", b as f64 / div)).unwrap_or_else(|| "end".into())
+                ),
+                "#7a0016",
+            ),
+            (None, Some((_, n, peak))) => (
+                format!(
+                    "destination gating: {n} reservations waited here ahead of their prefill (FIFO peak {peak}); no stranded source KV"
+                ),
+                "#0f6e64",
+            ),
+            (None, None) => (String::new(), "#555"),
+        };
         let _ = write!(
             svg,
-            r##"<text x="{LEFT}" y="{:.1}" font-size="14" font-weight="bold">{} · {} blocks × {} tokens{}</text><text x="{LEFT}" y="{:.1}" font-size="11" fill="#7a0016">{}</text>"##,
+            r##"<text x="{LEFT}" y="{:.1}" font-size="14" font-weight="bold">{} · {} blocks × {} tokens{}</text><text x="{LEFT}" y="{:.1}" font-size="11" fill="{note_color}">{}</text>"##,
             top + 14.0,
             w.worker,
             w.total_blocks,
             w.block_size,
             h.map(|h| format!(" · {}", h.backend.as_str())).unwrap_or_default(),
             top + 30.0,
-            {
-                let mine: Vec<_> = data.stalls.iter().filter(|s| s.0 == w.worker).collect();
-                match mine.first() {
-                    None => String::new(),
-                    Some((_, a, b)) => format!(
-                        "stranding stall{} ×{}, first {:.3}–{} {unit}",
-                        if mine.len() > 1 { "s" } else { "" },
-                        mine.len(),
-                        *a as f64 / div,
-                        b.map(|b| format!("{:.3}", b as f64 / div)).unwrap_or_else(|| "end".into())
-                    ),
-                }
-            }
+            esc(&note),
         );
         // --- capacity chart ---
         let total = w.total_blocks.max(1) as f64;
@@ -648,7 +668,7 @@ pub fn render_svg(data: &TimelineData) -> String {
                     svg,
                     r##"<text x="{:.1}" y="{:.1}" text-anchor="end" fill="#111" font-size="11">router booked up to {} blocks, above the {} the worker has (dashed line clipped at the top)</text>"##,
                     sc.x1,
-                    top + 30.0,
+                    top + 14.0,
                     peak,
                     w.total_blocks
                 );
