@@ -125,7 +125,10 @@ fn scenario1_stranded_source_then_reserve_activate_release() {
     });
     assert_eq!(fin, Some((TerminalStatus::Completed, 50)));
     assert_eq!(
-        d.log.iter().filter(|f| matches!(f, Fact::FirstTokenEmitted { request } if *request == RequestId(100))).count(),
+        d.log
+            .iter()
+            .filter(|f| matches!(f, Fact::FirstTokenEmitted { request } if *request == RequestId(100)))
+            .count(),
         1,
         "the decode worker emits the user's first token"
     );

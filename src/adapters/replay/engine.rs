@@ -31,9 +31,7 @@ use crate::lifecycle::destination::{
     DestinationAction, DestinationConfig, DestinationEvent, DestinationHandoff, DestinationInit,
 };
 use crate::lifecycle::messages::HandoffMessage;
-use crate::lifecycle::source::{
-    SourceAction, SourceConfig, SourceEvent, SourceHandoff, SourceInit,
-};
+use crate::lifecycle::source::{SourceAction, SourceConfig, SourceEvent, SourceHandoff, SourceInit};
 use crate::projections::metrics::{MetricsFold, MetricsReport, PerRequest};
 use crate::router::Router;
 use crate::schedulers::sglang::SglangCore;
@@ -66,16 +64,8 @@ pub enum ReplayError {
 #[derive(Clone, Debug)]
 enum Cmd {
     Submit(Request),
-    DispatchPrefill {
-        handoff: HandoffId,
-        request: Request,
-        lease_ns: u64,
-    },
-    Reserve {
-        handoff: HandoffId,
-        request: Request,
-        deadline_ns: u64,
-    },
+    DispatchPrefill { handoff: HandoffId, request: Request, lease_ns: u64 },
+    Reserve { handoff: HandoffId, request: Request, deadline_ns: u64 },
     Activate(HandoffId),
     ReleaseSource(HandoffId, EndReason),
     CancelSource(HandoffId, CancelReason),
@@ -191,9 +181,7 @@ impl<'a> Replay<'a> {
     ) -> Result<Self, ReplayError> {
         cfg.validate()?;
         let policy = cfg.effective_policy();
-        cfg.transfer
-            .validate()
-            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        cfg.transfer.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
         let transfer = cfg.transfer.clone();
         let mut mint = IdMint::from_seed(cfg.seed);
         let run_id = uuid::Uuid::from_u64_pair(mint.next_u64(), mint.next_u64());
@@ -250,32 +238,21 @@ impl<'a> Replay<'a> {
         metrics.add_stream(&router_header);
         headers.push(router_header);
         let out = RunWriter::create(out_dir, headers)?;
-        let (prefill_workers, decode_workers): (Vec<WorkerId>, Vec<WorkerId>) =
-            if cfg.is_disaggregated() {
-                workers.iter().partition(|w| w.role == Role::Prefill)
-            } else {
-                (workers.clone(), Vec::new())
-            };
-        let route_err =
-            |e: crate::router::RouterError| ConfigError::Invalid(format!("router: {e}"));
-        let prefill_router = Router::new(
-            prefill_workers,
-            cfg.prefill_router.clone(),
-            block_size,
-            mint.next_u64(),
-        )
-        .map_err(route_err)?;
+        let (prefill_workers, decode_workers): (Vec<WorkerId>, Vec<WorkerId>) = if cfg.is_disaggregated() {
+            workers.iter().partition(|w| w.role == Role::Prefill)
+        } else {
+            (workers.clone(), Vec::new())
+        };
+        let route_err = |e: crate::router::RouterError| ConfigError::Invalid(format!("router: {e}"));
+        let prefill_router =
+            Router::new(prefill_workers, cfg.prefill_router.clone(), block_size, mint.next_u64())
+                .map_err(route_err)?;
         let decode_router = if decode_workers.is_empty() {
             None
         } else {
             Some(
-                Router::new(
-                    decode_workers,
-                    cfg.decode_router.clone(),
-                    block_size,
-                    mint.next_u64(),
-                )
-                .map_err(route_err)?,
+                Router::new(decode_workers, cfg.decode_router.clone(), block_size, mint.next_u64())
+                    .map_err(route_err)?,
             )
         };
         let mut r = Replay {
@@ -305,12 +282,7 @@ impl<'a> Replay<'a> {
             let g = r.slots[s].generation;
             r.emit(s, 0, Fact::SessionStarted { generation: g })?;
         }
-        r.emit_router(
-            0,
-            Fact::SessionStarted {
-                generation: Generation(1),
-            },
-        )?;
+        r.emit_router(0, Fact::SessionStarted { generation: Generation(1) })?;
         r.next_arrival = r.trace.next_request()?;
         if let Some(t) = &r.next_arrival {
             let at = t.arrival_ns();
@@ -326,19 +298,12 @@ impl<'a> Replay<'a> {
 
     fn push(&mut self, at_ns: u64, ev: Ev) {
         self.seq += 1;
-        self.queue.push(Reverse(Queued {
-            at_ns,
-            seq: self.seq,
-            ev,
-        }));
+        self.queue.push(Reverse(Queued { at_ns, seq: self.seq, ev }));
     }
 
     fn emit(&mut self, slot: usize, at_ns: u64, fact: Fact) -> Result<(), ReplayError> {
         let worker = self.slots[slot].id;
-        if matches!(
-            fact,
-            Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared
-        ) {
+        if matches!(fact, Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared) {
             self.prefill_router.observe(worker, &fact);
             if let Some(d) = self.decode_router.as_mut() {
                 d.observe(worker, &fact);
@@ -351,8 +316,7 @@ impl<'a> Replay<'a> {
 
     fn emit_router(&mut self, at_ns: u64, fact: Fact) -> Result<(), ReplayError> {
         let seq = self.out.append(WorkerId::ROUTER, at_ns, &fact)?;
-        self.metrics
-            .apply(WorkerId::ROUTER, &Record { seq, at_ns, fact });
+        self.metrics.apply(WorkerId::ROUTER, &Record { seq, at_ns, fact });
         Ok(())
     }
 
@@ -380,13 +344,7 @@ impl<'a> Replay<'a> {
         let drained = stuck.is_empty();
         self.out.finish()?;
         let report = self.metrics.report();
-        Ok(ReplayOutcome {
-            report,
-            drained,
-            stuck,
-            events: self.events,
-            virtual_end_ns: self.now_ns,
-        })
+        Ok(ReplayOutcome { report, drained, stuck, events: self.events, virtual_end_ns: self.now_ns })
     }
 
     fn handle(&mut self, ev: Ev) -> Result<(), ReplayError> {
@@ -491,13 +449,7 @@ impl<'a> Replay<'a> {
                     fail_status: None,
                 },
             );
-            self.push(
-                now,
-                Ev::Command {
-                    slot: p_slot,
-                    cmd: Cmd::Submit(request),
-                },
-            );
+            self.push(now, Ev::Command { slot: p_slot, cmd: Cmd::Submit(request) });
             return Ok(());
         }
         let handoff = self.mint.handoff_id();
@@ -520,10 +472,7 @@ impl<'a> Replay<'a> {
             let d_slot = self.route_decode(id, &request)?;
             guard.decode = Some(d_slot);
             dest = Some(d_slot);
-            self.push(
-                now + self.cfg.bootstrap_timeout_ms * NS_PER_MS,
-                Ev::BootstrapTimer { request: id },
-            );
+            self.push(now + self.cfg.bootstrap_timeout_ms * NS_PER_MS, Ev::BootstrapTimer { request: id });
         }
         self.guards.insert(id, guard);
         let source = SourceHandoff::new(SourceInit {
@@ -555,14 +504,11 @@ impl<'a> Replay<'a> {
     fn route_decode(&mut self, id: RequestId, request: &Request) -> Result<usize, ReplayError> {
         let now = self.now_ns;
         let total_blocks = (request.input_tokens + request.output_tokens).div_ceil(self.block_size);
-        let router = self
-            .decode_router
-            .as_mut()
-            .ok_or_else(|| ReplayError::Engine("no decode router".into()))?;
+        let router =
+            self.decode_router.as_mut().ok_or_else(|| ReplayError::Engine("no decode router".into()))?;
         let d = router.select(request).worker;
-        let booked = router
-            .book_decode(id, d, total_blocks)
-            .map_err(|e| ReplayError::Engine(e.to_string()))?;
+        let booked =
+            router.book_decode(id, d, total_blocks).map_err(|e| ReplayError::Engine(e.to_string()))?;
         self.emit_router(now, booked)?;
         Ok(self.slot_of(d))
     }
@@ -599,13 +545,7 @@ impl<'a> Replay<'a> {
         self.slots[d_slot].destinations.insert(handoff, dest);
         self.destination_event(d_slot, handoff, DestinationEvent::Routed { worker: d })?;
         if let Some(renew) = self.cfg.lease_renew_ms {
-            self.push(
-                now + renew * NS_PER_MS,
-                Ev::RenewTimer {
-                    slot: d_slot,
-                    handoff,
-                },
-            );
+            self.push(now + renew * NS_PER_MS, Ev::RenewTimer { slot: d_slot, handoff });
         }
         Ok(())
     }
@@ -667,20 +607,12 @@ impl<'a> Replay<'a> {
                 let r = core.submit(request, now);
                 self.command_result(s, r, None, Some(id))
             }
-            Cmd::DispatchPrefill {
-                handoff,
-                request,
-                lease_ns,
-            } => {
+            Cmd::DispatchPrefill { handoff, request, lease_ns } => {
                 let id = request.id;
                 let r = core.submit_handoff_prefill(handoff, request, lease_ns, now);
                 self.command_result(s, r, Some(handoff), Some(id))
             }
-            Cmd::Reserve {
-                handoff,
-                request,
-                deadline_ns,
-            } => {
+            Cmd::Reserve { handoff, request, deadline_ns } => {
                 let r = core.reserve_destination(handoff, request, deadline_ns, now);
                 self.command_result(s, r, Some(handoff), None)
             }
@@ -718,9 +650,7 @@ impl<'a> Replay<'a> {
     ) -> Result<(), ReplayError> {
         self.apply_effects(s, r.effects)?;
         match r.outcome {
-            Ok(CommandOutcome::Applied | CommandOutcome::NoOp | CommandOutcome::Unavailable) => {
-                Ok(())
-            }
+            Ok(CommandOutcome::Applied | CommandOutcome::NoOp | CommandOutcome::Unavailable) => Ok(()),
             Err(e) => self.command_failed(s, e, handoff, request),
         }
     }
@@ -746,9 +676,7 @@ impl<'a> Replay<'a> {
                 return Ok(());
             }
         };
-        if let Some(req) =
-            request.or_else(|| handoff.and_then(|h| self.handoff_request.get(&h).copied()))
-        {
+        if let Some(req) = request.or_else(|| handoff.and_then(|h| self.handoff_request.get(&h).copied())) {
             if let Some(g) = self.guards.get_mut(&req) {
                 g.fail_status = Some(TerminalStatus::Rejected);
             }
@@ -763,9 +691,7 @@ impl<'a> Replay<'a> {
             _ => {}
         }
         // Whatever the machines did, the request ends now (a no-op if they already ended it).
-        if let Some(req) =
-            request.or_else(|| handoff.and_then(|h| self.handoff_request.get(&h).copied()))
-        {
+        if let Some(req) = request.or_else(|| handoff.and_then(|h| self.handoff_request.get(&h).copied())) {
             self.terminal(req, TerminalStatus::Rejected, 0)?;
         }
         Ok(())
@@ -791,11 +717,7 @@ impl<'a> Replay<'a> {
                     }
                 }
             }
-            EngineOutput::Finished {
-                request,
-                status,
-                output_tokens,
-            } => {
+            EngineOutput::Finished { request, status, output_tokens } => {
                 if let Some(h) = self.guards.get(&request).and_then(|g| g.handoff) {
                     if self.slots[s].destinations.contains_key(&h) {
                         self.destination_event(s, h, DestinationEvent::RequestFinished)?;
@@ -806,21 +728,12 @@ impl<'a> Replay<'a> {
             EngineOutput::Rejected { request, .. } => {
                 self.terminal(request, TerminalStatus::Rejected, 0)?;
             }
-            EngineOutput::SourcePinned {
-                handoff,
-                request,
-                lease,
-                blocks,
-                deadline_ns,
-            } => {
+            EngineOutput::SourcePinned { handoff, request, lease, blocks, deadline_ns } => {
                 if let Some(f) = self.prefill_router.prefill_compute_done(request) {
                     self.emit_router(now, f)?;
                 }
                 // Source-first: the decode is routed once the prefill is done and pinned.
-                let needs_route = self
-                    .guards
-                    .get(&request)
-                    .is_some_and(|g| g.decode.is_none());
+                let needs_route = self.guards.get(&request).is_some_and(|g| g.decode.is_none());
                 if needs_route && self.policy == HandoffPolicy::SourceFirst {
                     let req = self.guards[&request].request.clone();
                     let d_slot = self.route_decode(request, &req)?;
@@ -829,21 +742,9 @@ impl<'a> Replay<'a> {
                     }
                     self.start_destination(d_slot, handoff, &req, s)?;
                 }
-                self.source_event(
-                    s,
-                    handoff,
-                    SourceEvent::PrefillPinned {
-                        lease,
-                        blocks,
-                        deadline_ns,
-                    },
-                )?;
+                self.source_event(s, handoff, SourceEvent::PrefillPinned { lease, blocks, deadline_ns })?;
             }
-            EngineOutput::DestinationReserved {
-                handoff,
-                reservation,
-                summary,
-            } => {
+            EngineOutput::DestinationReserved { handoff, reservation, summary } => {
                 self.destination_event(
                     s,
                     handoff,
@@ -855,19 +756,13 @@ impl<'a> Replay<'a> {
                 )?;
             }
             EngineOutput::ReservationFailed { handoff, .. } => {
-                if let Some(g) = self
-                    .handoff_request
-                    .get(&handoff)
-                    .and_then(|r| self.guards.get_mut(r))
-                {
+                if let Some(g) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get_mut(r)) {
                     g.fail_status = Some(TerminalStatus::Rejected);
                 }
                 self.destination_event(
                     s,
                     handoff,
-                    DestinationEvent::ReservationFailed {
-                        reason: CancelReason::DestinationRejected,
-                    },
+                    DestinationEvent::ReservationFailed { reason: CancelReason::DestinationRejected },
                 )?;
                 if let Some(req) = self.handoff_request.get(&handoff).copied() {
                     self.terminal(req, TerminalStatus::Rejected, 0)?;
@@ -879,12 +774,7 @@ impl<'a> Replay<'a> {
 
     // ----- role machines -----
 
-    fn source_event(
-        &mut self,
-        s: usize,
-        handoff: HandoffId,
-        ev: SourceEvent,
-    ) -> Result<(), ReplayError> {
+    fn source_event(&mut self, s: usize, handoff: HandoffId, ev: SourceEvent) -> Result<(), ReplayError> {
         let now = self.now_ns;
         let Some(m) = self.slots[s].sources.get_mut(&handoff) else {
             return Ok(());
@@ -901,44 +791,24 @@ impl<'a> Replay<'a> {
             }
         };
         let released = m.is_released();
-        let success = matches!(
-            m.state(),
-            crate::lifecycle::source::SourceState::Released {
-                how: EndReason::Success
-            }
-        );
+        let success =
+            matches!(m.state(), crate::lifecycle::source::SourceState::Released { how: EndReason::Success });
         self.emit_all(s, now, t.facts)?;
         for a in t.actions {
             match a {
                 SourceAction::DispatchPrefill { lease_ns } => {
-                    let Some(req) = self
-                        .handoff_request
-                        .get(&handoff)
-                        .and_then(|r| self.guards.get(r))
+                    let Some(req) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get(r))
                     else {
                         continue;
                     };
                     let request = req.request.clone();
                     self.push(
                         now,
-                        Ev::Command {
-                            slot: s,
-                            cmd: Cmd::DispatchPrefill {
-                                handoff,
-                                request,
-                                lease_ns,
-                            },
-                        },
+                        Ev::Command { slot: s, cmd: Cmd::DispatchPrefill { handoff, request, lease_ns } },
                     );
                 }
                 SourceAction::ReleaseSource { reason, .. } => {
-                    self.push(
-                        now,
-                        Ev::Command {
-                            slot: s,
-                            cmd: Cmd::ReleaseSource(handoff, reason),
-                        },
-                    );
+                    self.push(now, Ev::Command { slot: s, cmd: Cmd::ReleaseSource(handoff, reason) });
                     if let Some(req) = self.handoff_request.get(&handoff).copied() {
                         if let Some(f) = self.prefill_router.free_prefill(req) {
                             self.emit_router(now, f)?;
@@ -946,13 +816,7 @@ impl<'a> Replay<'a> {
                     }
                 }
                 SourceAction::CancelPrefill { reason } => {
-                    self.push(
-                        now,
-                        Ev::Command {
-                            slot: s,
-                            cmd: Cmd::CancelSource(handoff, reason),
-                        },
-                    );
+                    self.push(now, Ev::Command { slot: s, cmd: Cmd::CancelSource(handoff, reason) });
                 }
                 SourceAction::Send { to, message } => {
                     let slot = self.slot_of(to);
@@ -1004,24 +868,14 @@ impl<'a> Replay<'a> {
         for a in t.actions {
             match a {
                 DestinationAction::ReserveDestination { deadline_ns } => {
-                    let Some(req) = self
-                        .handoff_request
-                        .get(&handoff)
-                        .and_then(|r| self.guards.get(r))
+                    let Some(req) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get(r))
                     else {
                         continue;
                     };
                     let request = req.request.clone();
                     self.push(
                         now,
-                        Ev::Command {
-                            slot: s,
-                            cmd: Cmd::Reserve {
-                                handoff,
-                                request,
-                                deadline_ns,
-                            },
-                        },
+                        Ev::Command { slot: s, cmd: Cmd::Reserve { handoff, request, deadline_ns } },
                     );
                 }
                 DestinationAction::StartReceive { missing_tokens, .. } => {
@@ -1034,22 +888,10 @@ impl<'a> Replay<'a> {
                             g.activated = true;
                         }
                     }
-                    self.push(
-                        now,
-                        Ev::Command {
-                            slot: s,
-                            cmd: Cmd::Activate(handoff),
-                        },
-                    );
+                    self.push(now, Ev::Command { slot: s, cmd: Cmd::Activate(handoff) });
                 }
                 DestinationAction::ReleaseDestination { reason, .. } => {
-                    self.push(
-                        now,
-                        Ev::Command {
-                            slot: s,
-                            cmd: Cmd::CancelDestination(handoff, reason),
-                        },
-                    );
+                    self.push(now, Ev::Command { slot: s, cmd: Cmd::CancelDestination(handoff, reason) });
                 }
                 DestinationAction::AbortRequest { reason } => {
                     self.push(
@@ -1065,10 +907,7 @@ impl<'a> Replay<'a> {
                     self.push(now, Ev::Deliver { slot, msg: message });
                 }
                 DestinationAction::ScheduleReservationTimer { deadline_ns } => {
-                    self.push(
-                        deadline_ns.max(now),
-                        Ev::ReservationTimer { slot: s, handoff },
-                    );
+                    self.push(deadline_ns.max(now), Ev::ReservationTimer { slot: s, handoff });
                 }
             }
         }
@@ -1136,18 +975,9 @@ impl<'a> Replay<'a> {
         let (Some(h), Some(p)) = (g.handoff, g.prefill) else {
             return Ok(());
         };
-        let waiting = self.slots[p]
-            .sources
-            .get(&h)
-            .is_some_and(|m| m.state_name() == "NotStarted");
+        let waiting = self.slots[p].sources.get(&h).is_some_and(|m| m.state_name() == "NotStarted");
         if waiting {
-            self.source_event(
-                p,
-                h,
-                SourceEvent::Cancelled {
-                    reason: CancelReason::PeerLost,
-                },
-            )?;
+            self.source_event(p, h, SourceEvent::Cancelled { reason: CancelReason::PeerLost })?;
         }
         Ok(())
     }
@@ -1167,10 +997,8 @@ impl<'a> Replay<'a> {
             self.emit_router(now, f)?;
         }
         // A pinned source keeps its prefill booking until it is released.
-        let source_held = g.handoff.is_some_and(|h| {
-            g.prefill
-                .is_some_and(|p| self.slots[p].sources.contains_key(&h))
-        });
+        let source_held =
+            g.handoff.is_some_and(|h| g.prefill.is_some_and(|p| self.slots[p].sources.contains_key(&h)));
         if !source_held {
             if let Some(f) = self.prefill_router.free_prefill(request) {
                 self.emit_router(now, f)?;
@@ -1188,15 +1016,7 @@ impl<'a> Replay<'a> {
             self.emit_router(now, f)?;
         }
         let kv = crate::events::KvDelta::ZERO;
-        self.emit_router(
-            now,
-            Fact::RequestFinished {
-                request,
-                status,
-                output_tokens,
-                kv,
-            },
-        )?;
+        self.emit_router(now, Fact::RequestFinished { request, status, output_tokens, kv })?;
         if let Some(h) = g.handoff {
             // Anything still held for this handoff on either role is canceled.
             if status != TerminalStatus::Completed {
@@ -1205,18 +1025,14 @@ impl<'a> Replay<'a> {
                         self.source_event(
                             s,
                             h,
-                            SourceEvent::Cancelled {
-                                reason: CancelReason::RequestAborted,
-                            },
+                            SourceEvent::Cancelled { reason: CancelReason::RequestAborted },
                         )?;
                     }
                     if self.slots[s].destinations.contains_key(&h) {
                         self.destination_event(
                             s,
                             h,
-                            DestinationEvent::Cancelled {
-                                reason: CancelReason::RequestAborted,
-                            },
+                            DestinationEvent::Cancelled { reason: CancelReason::RequestAborted },
                         )?;
                     }
                 }
@@ -1238,10 +1054,7 @@ impl<'a> Replay<'a> {
             for (h, m) in &slot.sources {
                 out.push(format!(
                     "handoff {h} ({}) source on {} stuck in {}: {}",
-                    self.handoff_request
-                        .get(h)
-                        .map(|r| r.to_string())
-                        .unwrap_or_default(),
+                    self.handoff_request.get(h).map(|r| r.to_string()).unwrap_or_default(),
                     slot.id,
                     m.state_name(),
                     match m.state_name() {
@@ -1256,10 +1069,7 @@ impl<'a> Replay<'a> {
             for (h, m) in &slot.destinations {
                 out.push(format!(
                     "handoff {h} ({}) destination on {} stuck in {}: {}",
-                    self.handoff_request
-                        .get(h)
-                        .map(|r| r.to_string())
-                        .unwrap_or_default(),
+                    self.handoff_request.get(h).map(|r| r.to_string()).unwrap_or_default(),
                     slot.id,
                     m.state_name(),
                     match m.state_name() {
