@@ -76,13 +76,58 @@ enum Cmd {
 enum Ev {
     Arrival,
     StepDone(usize),
-    Command { slot: usize, cmd: Cmd },
-    Deliver { slot: usize, msg: HandoffMessage },
-    TransferDone { slot: usize, handoff: HandoffId },
-    LeaseTimer { slot: usize, handoff: HandoffId },
-    ReservationTimer { slot: usize, handoff: HandoffId },
-    RenewTimer { slot: usize, handoff: HandoffId },
-    BootstrapTimer { request: RequestId },
+    /// A core command; `then` are events that must wait until it is applied (messages that
+    /// follow it in the same transition: "receive completed" only once activation is done).
+    Command {
+        slot: usize,
+        cmd: Cmd,
+        then: Vec<Ev>,
+    },
+    Deliver {
+        slot: usize,
+        msg: HandoffMessage,
+    },
+    TransferDone {
+        slot: usize,
+        handoff: HandoffId,
+    },
+    LeaseTimer {
+        slot: usize,
+        handoff: HandoffId,
+    },
+    ReservationTimer {
+        slot: usize,
+        handoff: HandoffId,
+    },
+    RenewTimer {
+        slot: usize,
+        handoff: HandoffId,
+    },
+    BootstrapTimer {
+        request: RequestId,
+    },
+}
+
+/// One transition's actions as events, in order. A message that follows a core command in the
+/// same transition waits until that command is applied: the worker may be mid-step, and e.g.
+/// "receive completed" must not reach the source before the destination has activated.
+#[derive(Default)]
+struct Batch {
+    events: Vec<Ev>,
+}
+
+impl Batch {
+    fn command(&mut self, slot: usize, cmd: Cmd) {
+        self.events.push(Ev::Command { slot, cmd, then: Vec::new() });
+    }
+
+    fn message(&mut self, slot: usize, msg: HandoffMessage) {
+        let deliver = Ev::Deliver { slot, msg };
+        match self.events.iter_mut().rev().find(|e| matches!(e, Ev::Command { .. })) {
+            Some(Ev::Command { then, .. }) => then.push(deliver),
+            _ => self.events.push(deliver),
+        }
+    }
 }
 
 struct Queued {
@@ -114,7 +159,7 @@ struct Slot {
     /// A step is in flight; its effects wait in `pending` until `StepDone`.
     busy: bool,
     pending: Option<Effects>,
-    inbox: VecDeque<Cmd>,
+    inbox: VecDeque<(Cmd, Vec<Ev>)>,
     generation: Generation,
     sources: BTreeMap<HandoffId, SourceHandoff>,
     destinations: BTreeMap<HandoffId, DestinationHandoff>,
@@ -159,6 +204,8 @@ pub struct Replay<'a> {
     decode_router: Option<Router>,
     guards: BTreeMap<RequestId, Guard>,
     handoff_request: BTreeMap<HandoffId, RequestId>,
+    /// Handoffs whose source pin the core has reported and not yet released.
+    pinned: std::collections::BTreeSet<HandoffId>,
     transfer: TransferConfig,
     mint: IdMint,
     out: RunWriter,
@@ -266,6 +313,7 @@ impl<'a> Replay<'a> {
             decode_router,
             guards: BTreeMap::new(),
             handoff_request: BTreeMap::new(),
+            pinned: std::collections::BTreeSet::new(),
             transfer,
             mint,
             out,
@@ -301,6 +349,13 @@ impl<'a> Replay<'a> {
         self.queue.push(Reverse(Queued { at_ns, seq: self.seq, ev }));
     }
 
+    fn push_all(&mut self, evs: Vec<Ev>) {
+        let now = self.now_ns;
+        for ev in evs {
+            self.push(now, ev);
+        }
+    }
+
     fn emit(&mut self, slot: usize, at_ns: u64, fact: Fact) -> Result<(), ReplayError> {
         let worker = self.slots[slot].id;
         if matches!(fact, Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared) {
@@ -309,8 +364,35 @@ impl<'a> Replay<'a> {
                 d.observe(worker, &fact);
             }
         }
+        // Router bookings follow physical pins: the prefill booking lives until the core
+        // reports the source released (the proposal's accounting table).
+        let released = match &fact {
+            Fact::SourcePinned { handoff, .. } => {
+                self.pinned.insert(*handoff);
+                None
+            }
+            Fact::SourceReleased { handoff, .. } => {
+                self.pinned.remove(handoff);
+                self.handoff_request.get(handoff).copied()
+            }
+            _ => None,
+        };
         let seq = self.out.append(worker, at_ns, &fact)?;
         self.metrics.apply(worker, &Record { seq, at_ns, fact });
+        if let Some(req) = released {
+            if let Some(f) = self.prefill_router.free_prefill(req) {
+                self.emit_router(at_ns, f)?;
+            }
+            if let Some(h) = self.guards.get(&req).and_then(|g| g.handoff) {
+                self.forget_handoff(h);
+            } else {
+                let hs: Vec<HandoffId> =
+                    self.handoff_request.iter().filter(|(_, r)| **r == req).map(|(h, _)| *h).collect();
+                for h in hs {
+                    self.forget_handoff(h);
+                }
+            }
+        }
         Ok(())
     }
 
@@ -356,16 +438,18 @@ impl<'a> Replay<'a> {
                 if let Some(effects) = self.slots[s].pending.take() {
                     self.apply_effects(s, effects)?;
                 }
-                while let Some(cmd) = self.slots[s].inbox.pop_front() {
+                while let Some((cmd, then)) = self.slots[s].inbox.pop_front() {
                     self.execute(s, cmd)?;
+                    self.push_all(then);
                 }
                 self.kick(s)?;
             }
-            Ev::Command { slot, cmd } => {
+            Ev::Command { slot, cmd, then } => {
                 if self.slots[slot].busy {
-                    self.slots[slot].inbox.push_back(cmd);
+                    self.slots[slot].inbox.push_back((cmd, then));
                 } else {
                     self.execute(slot, cmd)?;
+                    self.push_all(then);
                     self.kick(slot)?;
                 }
             }
@@ -449,7 +533,7 @@ impl<'a> Replay<'a> {
                     fail_status: None,
                 },
             );
-            self.push(now, Ev::Command { slot: p_slot, cmd: Cmd::Submit(request) });
+            self.push(now, Ev::Command { slot: p_slot, cmd: Cmd::Submit(request), then: Vec::new() });
             return Ok(());
         }
         let handoff = self.mint.handoff_id();
@@ -794,6 +878,7 @@ impl<'a> Replay<'a> {
         let success =
             matches!(m.state(), crate::lifecycle::source::SourceState::Released { how: EndReason::Success });
         self.emit_all(s, now, t.facts)?;
+        let mut batch = Batch::default();
         for a in t.actions {
             match a {
                 SourceAction::DispatchPrefill { lease_ns } => {
@@ -802,37 +887,25 @@ impl<'a> Replay<'a> {
                         continue;
                     };
                     let request = req.request.clone();
-                    self.push(
-                        now,
-                        Ev::Command { slot: s, cmd: Cmd::DispatchPrefill { handoff, request, lease_ns } },
-                    );
+                    batch.command(s, Cmd::DispatchPrefill { handoff, request, lease_ns });
                 }
+                // The prefill booking is freed when the core reports the pin's release.
                 SourceAction::ReleaseSource { reason, .. } => {
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::ReleaseSource(handoff, reason) });
-                    if let Some(req) = self.handoff_request.get(&handoff).copied() {
-                        if let Some(f) = self.prefill_router.free_prefill(req) {
-                            self.emit_router(now, f)?;
-                        }
-                    }
+                    batch.command(s, Cmd::ReleaseSource(handoff, reason))
                 }
                 SourceAction::CancelPrefill { reason } => {
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::CancelSource(handoff, reason) });
+                    batch.command(s, Cmd::CancelSource(handoff, reason))
                 }
-                SourceAction::Send { to, message } => {
-                    let slot = self.slot_of(to);
-                    self.push(now, Ev::Deliver { slot, msg: message });
-                }
+                SourceAction::Send { to, message } => batch.message(self.slot_of(to), message),
                 SourceAction::ScheduleLeaseTimer { deadline_ns } => {
                     self.push(deadline_ns.max(now), Ev::LeaseTimer { slot: s, handoff });
                 }
             }
         }
+        self.push_all(batch.events);
         if released {
             self.slots[s].sources.remove(&handoff);
             if let Some(req) = self.handoff_request.get(&handoff).copied() {
-                if let Some(f) = self.prefill_router.free_prefill(req) {
-                    self.emit_router(now, f)?;
-                }
                 if !success {
                     self.fail_unless_activated(req)?;
                 }
@@ -865,6 +938,7 @@ impl<'a> Replay<'a> {
         };
         let released = m.is_released();
         self.emit_all(s, now, t.facts)?;
+        let mut batch = Batch::default();
         for a in t.actions {
             match a {
                 DestinationAction::ReserveDestination { deadline_ns } => {
@@ -873,10 +947,7 @@ impl<'a> Replay<'a> {
                         continue;
                     };
                     let request = req.request.clone();
-                    self.push(
-                        now,
-                        Ev::Command { slot: s, cmd: Cmd::Reserve { handoff, request, deadline_ns } },
-                    );
+                    batch.command(s, Cmd::Reserve { handoff, request, deadline_ns });
                 }
                 DestinationAction::StartReceive { missing_tokens, .. } => {
                     let at = now + self.transfer.transfer_ns(missing_tokens as u64);
@@ -888,29 +959,21 @@ impl<'a> Replay<'a> {
                             g.activated = true;
                         }
                     }
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::Activate(handoff) });
+                    batch.command(s, Cmd::Activate(handoff));
                 }
                 DestinationAction::ReleaseDestination { reason, .. } => {
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::CancelDestination(handoff, reason) });
+                    batch.command(s, Cmd::CancelDestination(handoff, reason))
                 }
                 DestinationAction::AbortRequest { reason } => {
-                    self.push(
-                        now,
-                        Ev::Command {
-                            slot: s,
-                            cmd: Cmd::CancelDestination(handoff, EndReason::Canceled(reason)),
-                        },
-                    );
+                    batch.command(s, Cmd::CancelDestination(handoff, EndReason::Canceled(reason)))
                 }
-                DestinationAction::Send { to, message } => {
-                    let slot = self.slot_of(to);
-                    self.push(now, Ev::Deliver { slot, msg: message });
-                }
+                DestinationAction::Send { to, message } => batch.message(self.slot_of(to), message),
                 DestinationAction::ScheduleReservationTimer { deadline_ns } => {
                     self.push(deadline_ns.max(now), Ev::ReservationTimer { slot: s, handoff });
                 }
             }
         }
+        self.push_all(batch.events);
         if released {
             self.slots[s].destinations.remove(&handoff);
             if let Some(req) = self.handoff_request.get(&handoff).copied() {
@@ -940,7 +1003,7 @@ impl<'a> Replay<'a> {
             .slots
             .iter()
             .any(|s| s.sources.contains_key(&handoff) || s.destinations.contains_key(&handoff));
-        if held {
+        if held || self.pinned.contains(&handoff) {
             return;
         }
         if let Some(req) = self.handoff_request.get(&handoff) {
@@ -997,8 +1060,7 @@ impl<'a> Replay<'a> {
             self.emit_router(now, f)?;
         }
         // A pinned source keeps its prefill booking until it is released.
-        let source_held =
-            g.handoff.is_some_and(|h| g.prefill.is_some_and(|p| self.slots[p].sources.contains_key(&h)));
+        let source_held = g.handoff.is_some_and(|h| self.pinned.contains(&h));
         if !source_held {
             if let Some(f) = self.prefill_router.free_prefill(request) {
                 self.emit_router(now, f)?;
