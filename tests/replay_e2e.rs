@@ -386,3 +386,94 @@ fn the_cascade_fixture_strands_vllm_prefill_and_gates_sglang_ahead_of_prefill() 
     assert!(report["mean_reservation_wait_ms"].as_f64().unwrap() > 10_000.0, "gating ahead of prefill");
     assert_eq!(report["completed_requests"], 240);
 }
+
+/// Ends of pins and reservations per handoff, counted from the facts.
+fn ends(
+    recs: &[(WorkerId, u64, Fact)],
+) -> (BTreeMap<HandoffId, Vec<EndReason>>, BTreeMap<HandoffId, Vec<EndReason>>) {
+    let mut pins: BTreeMap<HandoffId, Vec<EndReason>> = BTreeMap::new();
+    let mut res: BTreeMap<HandoffId, Vec<EndReason>> = BTreeMap::new();
+    for (_, _, f) in recs {
+        match f {
+            Fact::SourceReleased { handoff, reason, .. } => pins.entry(*handoff).or_default().push(*reason),
+            Fact::ReservationReleased { handoff, reason, .. } => {
+                res.entry(*handoff).or_default().push(*reason)
+            }
+            Fact::DestinationActivated { handoff, .. } => {
+                res.entry(*handoff).or_default().push(EndReason::Success)
+            }
+            _ => {}
+        }
+    }
+    (pins, res)
+}
+
+#[test]
+fn a_destination_that_never_frees_unwinds_by_lease_expiry_without_stalling() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    let cfg = fixture("configs/cascade-short-lease.json");
+    let report =
+        replay("traces/cascade.jsonl", &["--config", cfg.to_str().unwrap(), "--backend", "vllm"], &out);
+    let expired = report["leases_expired"].as_u64().unwrap();
+    assert!(expired > 50, "decode stays full far longer than the 2 s lease ({expired} expired)");
+    assert_eq!(report["failed_requests"].as_u64().unwrap(), expired, "each expiry fails its request");
+    assert_eq!(report["completed_requests"].as_u64().unwrap() + expired, 240);
+    assert_eq!(report["drained"], true);
+    let recs = records(&out);
+    let (pins, res) = ends(&recs);
+    assert_eq!(pins.len(), 240);
+    for (h, e) in &pins {
+        assert_eq!(e.len(), 1, "{h}: a pin ends exactly once");
+    }
+    assert_eq!(pins.values().filter(|e| e[0] == EndReason::Expired).count() as u64, expired);
+    for (h, e) in &res {
+        assert_eq!(e.len(), 1, "{h}: a reservation ends exactly once");
+    }
+    // An expired handoff's destination, still waiting in the FIFO, leaves it without reserving.
+    let dequeued = recs.iter().filter(|(_, _, f)| matches!(f, Fact::ReservationDequeued { .. })).count();
+    assert!(dequeued > 0);
+    let mut run = RunReader::open(&out).unwrap();
+    for r in project_capacity(&mut run).unwrap() {
+        assert_eq!(r.last.kv_used_blocks(), 0, "{}", r.worker);
+    }
+}
+
+#[test]
+fn lease_renewal_keeps_a_waiting_source_alive() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    let cfg = fixture("configs/cascade-renewed-lease.json");
+    let report =
+        replay("traces/cascade.jsonl", &["--config", cfg.to_str().unwrap(), "--backend", "vllm"], &out);
+    assert_eq!(report["leases_expired"], 0);
+    assert_eq!(report["completed_requests"], 240);
+    let renewed = records(&out).iter().filter(|(_, _, f)| matches!(f, Fact::LeaseRenewed { .. })).count();
+    assert!(renewed > 100, "the destinations renewed while they waited ({renewed})");
+}
+
+#[test]
+fn an_expired_reservation_is_released_exactly_once_and_fails_its_request() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    let cfg = fixture("configs/cascade-short-reservation.json");
+    let report =
+        replay("traces/cascade.jsonl", &["--config", cfg.to_str().unwrap(), "--backend", "sglang"], &out);
+    let expired = report["reservations_expired"].as_u64().unwrap();
+    assert!(expired > 100, "a slow prefill leaves reservations waiting past their deadline");
+    assert!(report["completed_requests"].as_u64().unwrap() >= 1);
+    assert_eq!(report["failed_requests"].as_u64().unwrap(), expired);
+    let recs = records(&out);
+    let (pins, res) = ends(&recs);
+    for (h, e) in &res {
+        assert_eq!(e.len(), 1, "{h}: reservation ended {} times", e.len());
+    }
+    let expired_res: Vec<_> = res
+        .iter()
+        .filter(|(_, e)| e[0] == EndReason::Canceled(handoff_ledger::ids::CancelReason::Expired))
+        .collect();
+    assert_eq!(expired_res.len() as u64, expired);
+    for (h, e) in &pins {
+        assert_eq!(e.len(), 1, "{h}: pin ended {} times", e.len());
+    }
+}
