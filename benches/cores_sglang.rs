@@ -19,10 +19,7 @@ const STEPS: u64 = 64;
 
 /// A core with `n` requests admitted, prefilled and decoding.
 fn decoding_core(total_pages: u32, n: u64) -> SglangCore {
-    let cfg = SglangConfig {
-        total_pages,
-        ..SglangConfig::default()
-    };
+    let cfg = SglangConfig { total_pages, ..SglangConfig::default() };
     let mut core = SglangCore::new(WorkerId::decode(0), cfg).expect("valid config");
     for i in 0..n {
         core.submit(Request::unique(RequestId(i), 512, 2_000, 0), 0);
@@ -64,8 +61,7 @@ fn prefill_heavy(c: &mut Criterion) {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
-                let mut core =
-                    SglangCore::new(WorkerId::prefill(0), SglangConfig::default()).expect("valid");
+                let mut core = SglangCore::new(WorkerId::prefill(0), SglangConfig::default()).expect("valid");
                 for i in 0..64 {
                     core.submit(Request::unique(RequestId(i), 4096, 1, 0), 0);
                 }

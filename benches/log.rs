@@ -9,9 +9,7 @@
 
 use criterion::measurement::{Measurement, ValueFormatter, WallTime};
 use criterion::{black_box, Criterion, Throughput};
-use handoff_ledger::events::{
-    EngineShape, Fact, KvDelta, StreamHeader, StreamReader, StreamWriter,
-};
+use handoff_ledger::events::{EngineShape, Fact, KvDelta, StreamHeader, StreamReader, StreamWriter};
 use handoff_ledger::ids::{Backend, ClockDomain, HandoffPolicy, RequestId, WorkerId};
 use std::io::Cursor;
 
@@ -45,17 +43,10 @@ fn facts() -> Vec<(u64, Fact)> {
                     decode_tokens: 64 + (i % 64) as u32,
                     batch_size: 64 + (i % 64) as u32,
                     duration_ns: 20_000_000 + i % 1_000_000,
-                    kv: KvDelta {
-                        active: 3,
-                        free: -2,
-                        cached_free: -1,
-                        ..KvDelta::ZERO
-                    },
+                    kv: KvDelta { active: 3, free: -2, cached_free: -1, ..KvDelta::ZERO },
                 }
             } else {
-                Fact::RequestQueued {
-                    request: RequestId(i),
-                }
+                Fact::RequestQueued { request: RequestId(i) }
             };
             (at, f)
         })
@@ -128,10 +119,7 @@ fn bench<M: Measurement>(c: &mut Criterion<M>) {
     std::fs::write(&read_path, &bytes).unwrap();
     let write_path = tmp.path().join("write.hlog");
 
-    let views = [
-        ("records", Throughput::Elements(RECORDS)),
-        ("bytes", Throughput::Bytes(total)),
-    ];
+    let views = [("records", Throughput::Elements(RECORDS)), ("bytes", Throughput::Bytes(total))];
 
     let mut g = c.benchmark_group("log_append");
     for (name, t) in views.clone() {
@@ -173,9 +161,8 @@ fn bench<M: Measurement>(c: &mut Criterion<M>) {
 fn main() {
     if std::env::var_os("LOG_BENCH_CPU_TIME").is_some() {
         eprintln!("measuring thread CPU time");
-        let mut c = Criterion::default()
-            .with_measurement(ThreadCpuTime { wall: WallTime })
-            .configure_from_args();
+        let mut c =
+            Criterion::default().with_measurement(ThreadCpuTime { wall: WallTime }).configure_from_args();
         bench(&mut c);
         c.final_summary();
     } else {

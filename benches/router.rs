@@ -17,8 +17,7 @@ use handoff_ledger::schedulers::request::Request;
 use std::path::{Path, PathBuf};
 
 fn trace_path() -> Option<PathBuf> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/traces/mooncake/conversation_trace.jsonl");
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces/mooncake/conversation_trace.jsonl");
     p.exists().then_some(p)
 }
 
@@ -39,20 +38,12 @@ fn kv_replay(requests: &[Request]) -> usize {
         let hashes = r.prompt_block_hashes(64);
         let s = rt.select_with_hashes(r.input_tokens, &hashes);
         hits += s.overlap_blocks as usize;
-        let f = rt
-            .book_decode(r.id, s.worker, rt.prompt_blocks(r.input_tokens))
-            .expect("fresh request");
+        let f = rt.book_decode(r.id, s.worker, rt.prompt_blocks(r.input_tokens)).expect("fresh request");
         std::hint::black_box(f);
         let fifo = &mut resident[s.worker.index as usize];
         let fresh: Vec<u64> = hashes[s.overlap_blocks as usize..].to_vec();
         fifo.extend(fresh.iter().copied());
-        rt.observe(
-            s.worker,
-            &Fact::KvStored {
-                parent: None,
-                blocks: fresh,
-            },
-        );
+        rt.observe(s.worker, &Fact::KvStored { parent: None, blocks: fresh });
         if fifo.len() > CAPACITY {
             let old: Vec<u64> = fifo.drain(..fifo.len() - CAPACITY).collect();
             rt.observe(s.worker, &Fact::KvRemoved { blocks: old });
@@ -69,9 +60,7 @@ fn benches(c: &mut Criterion) {
     };
     c.bench_function("trace/read_full", |b| b.iter(|| load(&path).len()));
     let requests = load(&path);
-    c.bench_function("router/kv_select_and_index", |b| {
-        b.iter(|| kv_replay(&requests))
-    });
+    c.bench_function("router/kv_select_and_index", |b| b.iter(|| kv_replay(&requests)));
 }
 
 criterion_group! {

@@ -49,15 +49,8 @@ fn torn_tail_at_every_byte_of_the_last_record_is_recovered() {
         let torn = &bytes[..cut];
         let (recs, end) = read_all(torn);
         let end = end.unwrap_or_else(|e| panic!("cut at {cut}: {e}"));
-        assert_eq!(
-            recs,
-            all[..n - 1],
-            "cut at {cut}: every earlier record recovered"
-        );
-        let want = (cut > last).then_some(TornTail {
-            offset: last as u64,
-            bytes: (cut - last) as u64,
-        });
+        assert_eq!(recs, all[..n - 1], "cut at {cut}: every earlier record recovered");
+        let want = (cut > last).then_some(TornTail { offset: last as u64, bytes: (cut - last) as u64 });
         assert_eq!(end, want, "cut at {cut}");
 
         // On disk: verify reports without writing; recover truncates to a clean stream.
@@ -66,25 +59,13 @@ fn torn_tail_at_every_byte_of_the_last_record_is_recovered() {
         let summary = verify_stream(&path).unwrap();
         assert_eq!(summary.records, (n - 1) as u64);
         assert_eq!(summary.torn_tail, want);
-        assert_eq!(
-            std::fs::metadata(&path).unwrap().len(),
-            cut as u64,
-            "verify never writes"
-        );
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), cut as u64, "verify never writes");
         assert_eq!(recover(&path).unwrap(), want);
-        assert_eq!(
-            std::fs::read(&path).unwrap(),
-            bytes[..last],
-            "cut to the last sound record"
-        );
+        assert_eq!(std::fs::read(&path).unwrap(), bytes[..last], "cut to the last sound record");
         let again = verify_stream(&path).unwrap();
         assert_eq!(again.torn_tail, None);
         assert_eq!(again.records, (n - 1) as u64);
-        assert_eq!(
-            recover(&path).unwrap(),
-            None,
-            "a clean stream is left alone"
-        );
+        assert_eq!(recover(&path).unwrap(), None, "a clean stream is left alone");
     }
 }
 
@@ -94,10 +75,7 @@ fn a_flipped_byte_in_a_middle_record_names_its_offset() {
     let (bytes, offsets) = sample();
     for victim in [offsets.len() / 2, 1, offsets.len() - 1] {
         let start = offsets[victim] as usize;
-        let end = offsets
-            .get(victim + 1)
-            .map(|o| *o as usize)
-            .unwrap_or(bytes.len());
+        let end = offsets.get(victim + 1).map(|o| *o as usize).unwrap_or(bytes.len());
         for pos in start..end {
             for mask in [0x01u8, 0x80, 0xFF] {
                 let mut bad = bytes.clone();
@@ -107,23 +85,12 @@ fn a_flipped_byte_in_a_middle_record_names_its_offset() {
                     Err(e) => e,
                     Ok(t) => panic!("byte {pos} ^ {mask:#x} of record {victim}: no error ({t:?})"),
                 };
-                assert_eq!(
-                    err.offset(),
-                    Some(start as u64),
-                    "byte {pos} ^ {mask:#x}: {err}"
-                );
-                assert!(
-                    matches!(err, LogError::Corrupt { .. } | LogError::SequenceGap { .. }),
-                    "{err}"
-                );
+                assert_eq!(err.offset(), Some(start as u64), "byte {pos} ^ {mask:#x}: {err}");
+                assert!(matches!(err, LogError::Corrupt { .. } | LogError::SequenceGap { .. }), "{err}");
                 let msg = err.to_string();
                 assert!(msg.contains("mem.hlog"), "{msg}");
                 assert!(msg.contains(&format!("byte offset {start}")), "{msg}");
-                assert_eq!(
-                    recs.len(),
-                    victim,
-                    "records before the damage are still returned"
-                );
+                assert_eq!(recs.len(), victim, "records before the damage are still returned");
             }
         }
     }
@@ -156,35 +123,20 @@ fn bad_magic_unknown_version_and_unknown_codec() {
     bad[0] = b'X';
     let e = read_all(&bad).1.unwrap_err();
     assert!(matches!(e, LogError::BadMagic { .. }), "{e}");
-    assert!(
-        e.to_string().contains("mem.hlog") && e.to_string().contains("byte offset 0"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("mem.hlog") && e.to_string().contains("byte offset 0"), "{e}");
 
     let mut v2 = bytes.clone();
     v2[8..10].copy_from_slice(&2u16.to_le_bytes());
     match read_all(&v2).1 {
-        Err(
-            e @ LogError::UnsupportedVersion {
-                found: 2,
-                supported: 1,
-                ..
-            },
-        ) => {
-            assert!(
-                e.to_string().contains("unsupported format version 2"),
-                "{e}"
-            );
+        Err(e @ LogError::UnsupportedVersion { found: 2, supported: 1, .. }) => {
+            assert!(e.to_string().contains("unsupported format version 2"), "{e}");
         }
         other => panic!("{other:?}"),
     }
 
     let mut c = bytes.clone();
     c[10..12].copy_from_slice(&99u16.to_le_bytes());
-    assert!(matches!(
-        read_all(&c).1,
-        Err(LogError::UnknownCodec { found: 99, .. })
-    ));
+    assert!(matches!(read_all(&c).1, Err(LogError::UnknownCodec { found: 99, .. })));
 
     // A merged run file is not a stream.
     let run = b"HOFFRUN\0\x01\x00\x01\x00".to_vec();
@@ -204,10 +156,7 @@ fn frame(seq: u64, at_ns: u64, fact_bytes: &[u8]) -> Vec<u8> {
 }
 
 fn header_only() -> Vec<u8> {
-    StreamWriter::new(Vec::new(), &header(3, WorkerId::decode(0)))
-        .unwrap()
-        .finish()
-        .unwrap()
+    StreamWriter::new(Vec::new(), &header(3, WorkerId::decode(0))).unwrap().finish().unwrap()
 }
 
 fn enc(f: &Fact) -> Vec<u8> {
@@ -218,24 +167,14 @@ fn enc(f: &Fact) -> Vec<u8> {
 
 #[test]
 fn sequence_gap_and_undecodable_fact_name_their_offsets() {
-    let f = enc(&Fact::RequestQueued {
-        request: RequestId(1),
-    });
+    let f = enc(&Fact::RequestQueued { request: RequestId(1) });
     let mut bytes = header_only();
     bytes.extend(frame(0, 1, &f));
     bytes.extend(frame(1, 2, &f));
     let gap_at = bytes.len() as u64;
     bytes.extend(frame(3, 3, &f));
     match read_all(&bytes) {
-        (
-            recs,
-            Err(LogError::SequenceGap {
-                offset,
-                expected: 2,
-                found: 3,
-                ..
-            }),
-        ) => {
+        (recs, Err(LogError::SequenceGap { offset, expected: 2, found: 3, .. })) => {
             assert_eq!(offset, gap_at);
             assert_eq!(recs.len(), 2);
         }
@@ -245,14 +184,7 @@ fn sequence_gap_and_undecodable_fact_name_their_offsets() {
     // The first record must be seq 0.
     let mut bytes = header_only();
     bytes.extend(frame(1, 1, &f));
-    assert!(matches!(
-        read_all(&bytes).1,
-        Err(LogError::SequenceGap {
-            expected: 0,
-            found: 1,
-            ..
-        })
-    ));
+    assert!(matches!(read_all(&bytes).1, Err(LogError::SequenceGap { expected: 0, found: 1, .. })));
 
     // A checksum-valid record whose fact does not decode (variant 200; trailing bytes).
     for junk in [vec![200u8], [f.clone(), vec![0]].concat(), vec![]] {
@@ -309,11 +241,7 @@ fn damaged_length_of_the_last_record_is_not_a_torn_tail() {
         let p = dir.path().join("x.hlog");
         std::fs::write(&p, &bad).unwrap();
         assert!(recover(&p).is_err());
-        assert_eq!(
-            std::fs::read(&p).unwrap(),
-            bad,
-            "recover writes nothing on damage"
-        );
+        assert_eq!(std::fs::read(&p).unwrap(), bad, "recover writes nothing on damage");
     }
 }
 
@@ -325,13 +253,7 @@ fn open_append_cuts_a_torn_tail_and_continues() {
     let last = *offsets.last().unwrap();
     std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
     let (mut w, torn) = StreamWriter::open_append(&path).unwrap();
-    assert_eq!(
-        torn,
-        Some(TornTail {
-            offset: last,
-            bytes: bytes.len() as u64 - 3 - last
-        })
-    );
+    assert_eq!(torn, Some(TornTail { offset: last, bytes: bytes.len() as u64 - 3 - last }));
     let n = offsets.len() as u64;
     assert_eq!(w.next_seq(), n - 1);
     assert_eq!(w.append(999, &Fact::KvCleared).unwrap(), n - 1);
@@ -350,14 +272,9 @@ fn open_append_cuts_a_torn_tail_and_continues() {
 
 #[test]
 fn io_errors_name_the_file() {
-    let e = StreamReader::open(Path::new("/nonexistent/dir/decode-9.hlog"))
-        .err()
-        .unwrap();
+    let e = StreamReader::open(Path::new("/nonexistent/dir/decode-9.hlog")).err().unwrap();
     assert!(matches!(e, LogError::Io { .. }));
-    assert!(
-        e.to_string().contains("/nonexistent/dir/decode-9.hlog"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("/nonexistent/dir/decode-9.hlog"), "{e}");
 }
 
 #[test]

@@ -13,8 +13,8 @@ use handoff_ledger::events::{
     StreamReader, StreamWriter,
 };
 use handoff_ledger::ids::{
-    Backend, ClockDomain, DestinationReservationId, EndReason, HandoffPolicy, KvHandoffDemand,
-    RequestId, SourceLeaseId, WorkerId,
+    Backend, ClockDomain, DestinationReservationId, EndReason, HandoffPolicy, KvHandoffDemand, RequestId,
+    SourceLeaseId, WorkerId,
 };
 use std::path::PathBuf;
 use uuid::Uuid;
@@ -24,9 +24,7 @@ fn golden_dir() -> PathBuf {
 }
 
 fn regenerate() -> bool {
-    std::env::var("REGENERATE_GOLDEN")
-        .map(|v| v == "1")
-        .unwrap_or(false)
+    std::env::var("REGENERATE_GOLDEN").map(|v| v == "1").unwrap_or(false)
 }
 
 fn encode_golden_stream() -> Vec<u8> {
@@ -68,11 +66,7 @@ fn golden_v1_log_decodes_unchanged() {
     let want: Vec<Record> = facts
         .into_iter()
         .enumerate()
-        .map(|(i, (at_ns, fact))| Record {
-            seq: i as u64,
-            at_ns,
-            fact,
-        })
+        .map(|(i, (at_ns, fact))| Record { seq: i as u64, at_ns, fact })
         .collect();
     assert_eq!(got, want);
 
@@ -80,10 +74,7 @@ fn golden_v1_log_decodes_unchanged() {
     let committed = std::fs::read(&path).unwrap();
     assert_eq!(encoded.len(), committed.len(), "encoded length changed");
     let first_diff = encoded.iter().zip(&committed).position(|(a, b)| a != b);
-    assert_eq!(
-        first_diff, None,
-        "encoding differs from the golden file at this byte offset"
-    );
+    assert_eq!(first_diff, None, "encoding differs from the golden file at this byte offset");
 }
 
 // ----- the golden merged run -----
@@ -111,16 +102,8 @@ fn shape(total_blocks: u32) -> EngineShape {
     }
 }
 
-const P: WorkerId = WorkerId {
-    role: handoff_ledger::ids::Role::Prefill,
-    index: 0,
-    dp_rank: 0,
-};
-const D: WorkerId = WorkerId {
-    role: handoff_ledger::ids::Role::Decode,
-    index: 0,
-    dp_rank: 0,
-};
+const P: WorkerId = WorkerId { role: handoff_ledger::ids::Role::Prefill, index: 0, dp_rank: 0 };
+const D: WorkerId = WorkerId { role: handoff_ledger::ids::Role::Decode, index: 0, dp_rank: 0 };
 const R: WorkerId = WorkerId::ROUTER;
 
 /// Three small streams of one source-first handoff, as each worker wrote them.
@@ -139,50 +122,16 @@ fn run_streams() -> Vec<(StreamHeader, Vec<(u64, Fact)>)> {
         (
             run_header(R, EngineShape::none()),
             vec![
-                (
-                    0,
-                    Fact::RequestArrived {
-                        request: req,
-                        input_tokens: 64,
-                        output_tokens: 8,
-                    },
-                ),
-                (
-                    10,
-                    Fact::PrefillBooked {
-                        request: req,
-                        worker: P,
-                        prefill_tokens: 64,
-                        blocks: 4,
-                    },
-                ),
-                (
-                    20,
-                    Fact::DecodeBooked {
-                        request: req,
-                        worker: D,
-                        blocks: 5,
-                    },
-                ),
-                (
-                    50,
-                    Fact::PrefillBookingFreed {
-                        request: req,
-                        worker: P,
-                    },
-                ),
+                (0, Fact::RequestArrived { request: req, input_tokens: 64, output_tokens: 8 }),
+                (10, Fact::PrefillBooked { request: req, worker: P, prefill_tokens: 64, blocks: 4 }),
+                (20, Fact::DecodeBooked { request: req, worker: D, blocks: 5 }),
+                (50, Fact::PrefillBookingFreed { request: req, worker: P }),
             ],
         ),
         (
             run_header(D, shape(200)),
             vec![
-                (
-                    20,
-                    Fact::DestinationRouted {
-                        handoff: h,
-                        worker: D,
-                    },
-                ),
+                (20, Fact::DestinationRouted { handoff: h, worker: D }),
                 (
                     30,
                     Fact::DestinationReserved {
@@ -216,10 +165,7 @@ fn run_streams() -> Vec<(StreamHeader, Vec<(u64, Fact)>)> {
                         handoff: h,
                         request: req,
                         policy: HandoffPolicy::SourceFirst,
-                        demand: KvHandoffDemand {
-                            context_tokens: 64,
-                            max_output_tokens: 8,
-                        },
+                        demand: KvHandoffDemand { context_tokens: 64, max_output_tokens: 8 },
                     },
                 ),
                 (20, Fact::PrefillDispatched { handoff: h }),
@@ -307,14 +253,7 @@ fn golden_v1_merged_run_decodes_unchanged() {
         .map(|(w, seq)| {
             let (_, recs) = streams.iter().find(|(h, _)| h.worker == *w).unwrap();
             let (at_ns, fact) = recs[*seq as usize].clone();
-            (
-                *w,
-                Record {
-                    seq: *seq,
-                    at_ns,
-                    fact,
-                },
-            )
+            (*w, Record { seq: *seq, at_ns, fact })
         })
         .collect();
     assert_eq!(got, want);
@@ -330,8 +269,5 @@ fn golden_v1_merged_run_decodes_unchanged() {
     let committed = std::fs::read(&path).unwrap();
     assert_eq!(encoded.len(), committed.len(), "encoded length changed");
     let first_diff = encoded.iter().zip(&committed).position(|(a, b)| a != b);
-    assert_eq!(
-        first_diff, None,
-        "encoding differs from the golden run at this byte offset"
-    );
+    assert_eq!(first_diff, None, "encoding differs from the golden run at this byte offset");
 }

@@ -4,9 +4,7 @@
 mod common;
 
 use common::{any_header, fact, header, ordinal, FACT_VARIANTS};
-use handoff_ledger::events::{
-    codec, Fact, Record, StreamReader, StreamWriter, FORMAT_VERSION, MAGIC,
-};
+use handoff_ledger::events::{codec, Fact, Record, StreamReader, StreamWriter, FORMAT_VERSION, MAGIC};
 use handoff_ledger::ids::WorkerId;
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
@@ -69,12 +67,7 @@ fn writer_output_matches_the_documented_layout() {
     let hdr = header(5, WorkerId::decode(2));
     let facts = vec![
         (17u64, Fact::KvCleared),
-        (
-            u64::MAX,
-            Fact::RequestQueued {
-                request: handoff_ledger::ids::RequestId(300),
-            },
-        ),
+        (u64::MAX, Fact::RequestQueued { request: handoff_ledger::ids::RequestId(300) }),
     ];
     let bytes = write_all(&hdr, &facts);
 
@@ -120,14 +113,7 @@ fn fact_strategy_covers_every_variant() {
 fn iterator_yields_records_in_order() {
     let hdr = header(1, WorkerId::prefill(0));
     let facts: Vec<(u64, Fact)> = (0..100)
-        .map(|i| {
-            (
-                i * 10,
-                Fact::RequestQueued {
-                    request: handoff_ledger::ids::RequestId(i),
-                },
-            )
-        })
+        .map(|i| (i * 10, Fact::RequestQueued { request: handoff_ledger::ids::RequestId(i) }))
         .collect();
     let bytes = write_all(&hdr, &facts);
     let r = StreamReader::new(Cursor::new(bytes), "mem").unwrap();
@@ -147,13 +133,7 @@ fn open_append_continues_the_sequence() {
     let hdr = header(9, WorkerId::decode(0));
     let mut w = StreamWriter::create(&path, &hdr).unwrap();
     for i in 0..5u64 {
-        w.append(
-            i,
-            &Fact::RequestQueued {
-                request: handoff_ledger::ids::RequestId(i),
-            },
-        )
-        .unwrap();
+        w.append(i, &Fact::RequestQueued { request: handoff_ledger::ids::RequestId(i) }).unwrap();
     }
     drop(w.finish().unwrap());
     let (mut w, torn) = StreamWriter::open_append(&path).unwrap();
@@ -163,18 +143,8 @@ fn open_append_continues_the_sequence() {
     assert_eq!(w.bytes_written(), std::fs::metadata(&path).unwrap().len());
     assert_eq!(w.append(100, &Fact::KvCleared).unwrap(), 5);
     w.finish().unwrap();
-    let recs: Vec<Record> = StreamReader::open(&path)
-        .unwrap()
-        .collect::<Result<_, _>>()
-        .unwrap();
+    let recs: Vec<Record> = StreamReader::open(&path).unwrap().collect::<Result<_, _>>().unwrap();
     assert_eq!(recs.len(), 6);
-    assert_eq!(
-        recs[5],
-        Record {
-            seq: 5,
-            at_ns: 100,
-            fact: Fact::KvCleared
-        }
-    );
+    assert_eq!(recs[5], Record { seq: 5, at_ns: 100, fact: Fact::KvCleared });
     assert_eq!(recs[4].at_ns, 4);
 }

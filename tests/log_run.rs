@@ -5,8 +5,8 @@ mod common;
 
 use common::{fact, header};
 use handoff_ledger::events::{
-    recover_run, stream_file_name, verify_run, write_merged, Fact, LogError, Record, RunKind,
-    RunReader, RunWriter, StreamHeader, StreamWriter, TornTail,
+    recover_run, stream_file_name, verify_run, write_merged, Fact, LogError, Record, RunKind, RunReader,
+    RunWriter, StreamHeader, StreamWriter, TornTail,
 };
 use handoff_ledger::ids::{RequestId, Role, WorkerId};
 use proptest::prelude::*;
@@ -27,11 +27,7 @@ fn workers() -> impl Strategy<Value = Vec<WorkerId>> {
         WorkerId::ROUTER,
         WorkerId::prefill(0),
         WorkerId::prefill(1),
-        WorkerId {
-            role: Role::Prefill,
-            index: 1,
-            dp_rank: 2,
-        },
+        WorkerId { role: Role::Prefill, index: 1, dp_rank: 2 },
         WorkerId::decode(0),
         WorkerId::decode(10),
         WorkerId::aggregated(3),
@@ -134,24 +130,15 @@ proptest! {
 #[test]
 fn equal_timestamps_follow_canonical_worker_order() {
     let tmp = tempfile::tempdir().unwrap();
-    let ws = [
-        WorkerId::ROUTER,
-        WorkerId::decode(0),
-        WorkerId::prefill(1),
-        WorkerId::prefill(0),
-    ];
+    let ws = [WorkerId::ROUTER, WorkerId::decode(0), WorkerId::prefill(1), WorkerId::prefill(0)];
     let mut rw = RunWriter::create(tmp.path(), ws.iter().map(|w| header(1, *w))).unwrap();
     for w in ws {
         rw.append(w, 5, &Fact::KvCleared).unwrap();
-        rw.append(w, 5, &Fact::KvRemoved { blocks: vec![] })
-            .unwrap();
+        rw.append(w, 5, &Fact::KvRemoved { blocks: vec![] }).unwrap();
     }
     rw.finish().unwrap();
     let (hs, got) = read_run(tmp.path());
-    let order: Vec<(String, u64)> = got
-        .iter()
-        .map(|(i, r)| (hs[*i].worker.to_string(), r.seq))
-        .collect();
+    let order: Vec<(String, u64)> = got.iter().map(|(i, r)| (hs[*i].worker.to_string(), r.seq)).collect();
     let want = [
         ("prefill-0", 0),
         ("prefill-0", 1),
@@ -168,23 +155,15 @@ fn equal_timestamps_follow_canonical_worker_order() {
 #[test]
 fn a_stream_of_another_run_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
-    StreamWriter::create(
-        tmp.path().join("prefill-0.hlog"),
-        &header(1, WorkerId::prefill(0)),
-    )
-    .unwrap()
-    .finish()
-    .unwrap();
-    StreamWriter::create(
-        tmp.path().join("decode-0.hlog"),
-        &header(2, WorkerId::decode(0)),
-    )
-    .unwrap()
-    .finish()
-    .unwrap();
-    let e = RunReader::open(tmp.path())
-        .err()
-        .expect("mismatch must fail");
+    StreamWriter::create(tmp.path().join("prefill-0.hlog"), &header(1, WorkerId::prefill(0)))
+        .unwrap()
+        .finish()
+        .unwrap();
+    StreamWriter::create(tmp.path().join("decode-0.hlog"), &header(2, WorkerId::decode(0)))
+        .unwrap()
+        .finish()
+        .unwrap();
+    let e = RunReader::open(tmp.path()).err().expect("mismatch must fail");
     match &e {
         LogError::RunIdMismatch { path, worker, .. } => {
             assert_eq!(*worker, WorkerId::decode(0));
@@ -197,20 +176,14 @@ fn a_stream_of_another_run_is_refused() {
     // The writer refuses to start such a run.
     let e = RunWriter::create(
         tmp.path().join("w"),
-        [
-            header(1, WorkerId::prefill(0)),
-            header(2, WorkerId::decode(0)),
-        ],
+        [header(1, WorkerId::prefill(0)), header(2, WorkerId::decode(0))],
     )
     .err()
     .unwrap();
     assert!(matches!(e, LogError::RunIdMismatch { .. }), "{e}");
     let e = RunWriter::create(
         tmp.path().join("w2"),
-        [
-            header(1, WorkerId::prefill(0)),
-            header(1, WorkerId::prefill(0)),
-        ],
+        [header(1, WorkerId::prefill(0)), header(1, WorkerId::prefill(0))],
     )
     .err()
     .unwrap();
@@ -220,13 +193,10 @@ fn a_stream_of_another_run_is_refused() {
 #[test]
 fn file_named_for_another_worker_is_refused_and_other_files_ignored() {
     let tmp = tempfile::tempdir().unwrap();
-    StreamWriter::create(
-        tmp.path().join("prefill-0.hlog"),
-        &header(1, WorkerId::prefill(0)),
-    )
-    .unwrap()
-    .finish()
-    .unwrap();
+    StreamWriter::create(tmp.path().join("prefill-0.hlog"), &header(1, WorkerId::prefill(0)))
+        .unwrap()
+        .finish()
+        .unwrap();
     std::fs::write(tmp.path().join("notes.txt"), "hello").unwrap();
     std::fs::write(tmp.path().join("summary.hlog"), "not a worker name").unwrap();
     std::fs::write(tmp.path().join("decode-0.hlog.bak"), "stale").unwrap();
@@ -234,11 +204,7 @@ fn file_named_for_another_worker_is_refused_and_other_files_ignored() {
     assert_eq!(hs.len(), 1);
     assert!(recs.is_empty());
 
-    std::fs::copy(
-        tmp.path().join("prefill-0.hlog"),
-        tmp.path().join("decode-4.hlog"),
-    )
-    .unwrap();
+    std::fs::copy(tmp.path().join("prefill-0.hlog"), tmp.path().join("decode-4.hlog")).unwrap();
     match RunReader::open(tmp.path()).err().unwrap() {
         LogError::WorkerMismatch { named, found, .. } => {
             assert_eq!((named, found), (WorkerId::decode(4), WorkerId::prefill(0)));
@@ -247,10 +213,7 @@ fn file_named_for_another_worker_is_refused_and_other_files_ignored() {
     }
 
     let empty = tempfile::tempdir().unwrap();
-    assert!(matches!(
-        RunReader::open(empty.path()),
-        Err(LogError::EmptyRun { .. })
-    ));
+    assert!(matches!(RunReader::open(empty.path()), Err(LogError::EmptyRun { .. })));
 }
 
 #[test]
@@ -262,10 +225,7 @@ fn run_writer_refuses_a_directory_that_holds_a_run_and_unknown_workers() {
         Err(LogError::UnknownWorker { .. })
     ));
     rw.finish().unwrap();
-    assert!(tmp
-        .path()
-        .join(stream_file_name(WorkerId::prefill(0)))
-        .is_file());
+    assert!(tmp.path().join(stream_file_name(WorkerId::prefill(0))).is_file());
     assert!(matches!(
         RunWriter::create(tmp.path(), [header(1, WorkerId::decode(0))]),
         Err(LogError::RunExists { .. })
@@ -278,26 +238,12 @@ fn a_torn_stream_in_a_run_is_reported_and_recovered() {
     let ws = [WorkerId::prefill(0), WorkerId::decode(0)];
     let mut rw = RunWriter::create(tmp.path(), ws.iter().map(|w| header(1, *w))).unwrap();
     for t in 0..10u64 {
-        rw.append(
-            ws[(t % 2) as usize],
-            t,
-            &Fact::RequestQueued {
-                request: RequestId(t),
-            },
-        )
-        .unwrap();
+        rw.append(ws[(t % 2) as usize], t, &Fact::RequestQueued { request: RequestId(t) }).unwrap();
     }
     let files = rw.finish().unwrap();
-    let decode = files
-        .iter()
-        .find(|p| p.ends_with("decode-0.hlog"))
-        .unwrap()
-        .clone();
+    let decode = files.iter().find(|p| p.ends_with("decode-0.hlog")).unwrap().clone();
     let len = std::fs::metadata(&decode).unwrap().len();
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&decode)
-        .unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&decode).unwrap();
     f.set_len(len - 5).unwrap();
     drop(f);
 
@@ -322,14 +268,7 @@ fn damage_in_a_merged_file_names_the_file_and_offset() {
     let ws = [WorkerId::prefill(0), WorkerId::decode(0)];
     let mut rw = RunWriter::create(&dir, ws.iter().map(|w| header(1, *w))).unwrap();
     for t in 0..10u64 {
-        rw.append(
-            ws[(t % 2) as usize],
-            t,
-            &Fact::RequestQueued {
-                request: RequestId(t),
-            },
-        )
-        .unwrap();
+        rw.append(ws[(t % 2) as usize], t, &Fact::RequestQueued { request: RequestId(t) }).unwrap();
     }
     rw.finish().unwrap();
     let merged = tmp.path().join("m.hrun");
@@ -367,24 +306,15 @@ fn damage_in_a_merged_file_names_the_file_and_offset() {
     assert_eq!(s.torn_tails.len(), 1);
     assert_eq!(s.torn_tails[0].1.offset, *offsets.last().unwrap());
     recover_run(&merged).unwrap();
-    assert_eq!(
-        std::fs::read(&merged).unwrap(),
-        bytes[..*offsets.last().unwrap() as usize]
-    );
+    assert_eq!(std::fs::read(&merged).unwrap(), bytes[..*offsets.last().unwrap() as usize]);
 
     // Wrong magic / version.
     let mut v = bytes.clone();
     v[8] = 9;
     std::fs::write(&merged, &v).unwrap();
-    assert!(matches!(
-        RunReader::open(&merged),
-        Err(LogError::UnsupportedVersion { found: 9, .. })
-    ));
+    assert!(matches!(RunReader::open(&merged), Err(LogError::UnsupportedVersion { found: 9, .. })));
     std::fs::write(&merged, b"GARBAGE!garbage").unwrap();
-    assert!(matches!(
-        RunReader::open(&merged),
-        Err(LogError::BadMagic { .. })
-    ));
+    assert!(matches!(RunReader::open(&merged), Err(LogError::BadMagic { .. })));
 }
 
 #[test]
@@ -398,17 +328,7 @@ fn a_lone_stream_file_reads_as_a_run_of_one() {
     assert_eq!(r.kind(), RunKind::Stream);
     let (hs, recs) = read_run(&p);
     assert_eq!(hs[0].worker, WorkerId::decode(2));
-    assert_eq!(
-        recs,
-        vec![(
-            0,
-            Record {
-                seq: 0,
-                at_ns: 3,
-                fact: Fact::KvCleared
-            }
-        )]
-    );
+    assert_eq!(recs, vec![(0, Record { seq: 0, at_ns: 3, fact: Fact::KvCleared })]);
 }
 
 #[test]
@@ -418,23 +338,14 @@ fn workers_can_be_declared_after_create() {
     rw.declare(header(4, WorkerId::decode(1))).unwrap();
     rw.append(WorkerId::decode(1), 10, &Fact::KvCleared).unwrap();
     rw.declare(header(4, WorkerId::prefill(0))).unwrap();
-    assert!(matches!(
-        rw.declare(header(5, WorkerId::prefill(2))),
-        Err(LogError::RunIdMismatch { .. })
-    ));
-    assert!(matches!(
-        rw.declare(header(4, WorkerId::decode(1))),
-        Err(LogError::DuplicateWorker { .. })
-    ));
+    assert!(matches!(rw.declare(header(5, WorkerId::prefill(2))), Err(LogError::RunIdMismatch { .. })));
+    assert!(matches!(rw.declare(header(4, WorkerId::decode(1))), Err(LogError::DuplicateWorker { .. })));
     let router1 = WorkerId { role: Role::Router, index: 1, dp_rank: 0 };
     assert!(matches!(rw.declare(header(4, router1)), Err(LogError::WorkerMismatch { .. })));
     let files = rw.finish().unwrap();
     assert_eq!(files.len(), 2);
     let (hs, recs) = read_run(tmp.path());
-    assert_eq!(
-        hs.iter().map(|h| h.worker).collect::<Vec<_>>(),
-        [WorkerId::prefill(0), WorkerId::decode(1)]
-    );
+    assert_eq!(hs.iter().map(|h| h.worker).collect::<Vec<_>>(), [WorkerId::prefill(0), WorkerId::decode(1)]);
     assert_eq!(recs, vec![(1, Record { seq: 0, at_ns: 10, fact: Fact::KvCleared })]);
 }
 

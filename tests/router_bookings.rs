@@ -17,71 +17,32 @@ fn r(i: u64) -> RequestId {
 }
 
 fn load(active_prefill_tokens: u64, prefill_blocks: u64, decode_blocks: u64) -> WorkerLoad {
-    WorkerLoad {
-        active_prefill_tokens,
-        prefill_blocks,
-        decode_blocks,
-    }
+    WorkerLoad { active_prefill_tokens, prefill_blocks, decode_blocks }
 }
 
 #[test]
 fn prefill_compute_load_drops_at_compute_done_while_the_booking_stays() {
     let mut rt = Router::new(vec![p(0), p(1)], RouterMode::LeastLoaded, 64, 0).unwrap();
     let f = rt.book_prefill(r(1), p(0), 1000, 16).unwrap();
-    assert_eq!(
-        f,
-        Fact::PrefillBooked {
-            request: r(1),
-            worker: p(0),
-            prefill_tokens: 1000,
-            blocks: 16
-        }
-    );
+    assert_eq!(f, Fact::PrefillBooked { request: r(1), worker: p(0), prefill_tokens: 1000, blocks: 16 });
     rt.book_prefill(r(2), p(0), 300, 5).unwrap();
     assert_eq!(rt.load(p(0)), load(1300, 21, 0));
 
-    assert_eq!(
-        rt.prefill_compute_done(r(1)),
-        Some(Fact::PrefillComputeDone {
-            request: r(1),
-            worker: p(0)
-        })
-    );
-    assert_eq!(
-        rt.load(p(0)),
-        load(300, 21, 0),
-        "compute load drops, blocks stay booked (source pinned)"
-    );
-    assert_eq!(
-        rt.prefill_compute_done(r(1)),
-        None,
-        "second compute-done is a no-op"
-    );
+    assert_eq!(rt.prefill_compute_done(r(1)), Some(Fact::PrefillComputeDone { request: r(1), worker: p(0) }));
+    assert_eq!(rt.load(p(0)), load(300, 21, 0), "compute load drops, blocks stay booked (source pinned)");
+    assert_eq!(rt.prefill_compute_done(r(1)), None, "second compute-done is a no-op");
     // The pinned booking still steers selection away from p0.
     assert_eq!(rt.select_with_hashes(64, &[]).worker, p(1));
 
-    assert_eq!(
-        rt.free_prefill(r(1)),
-        Some(Fact::PrefillBookingFreed {
-            request: r(1),
-            worker: p(0)
-        })
-    );
+    assert_eq!(rt.free_prefill(r(1)), Some(Fact::PrefillBookingFreed { request: r(1), worker: p(0) }));
     assert_eq!(rt.load(p(0)), load(300, 5, 0));
     assert_eq!(rt.free_prefill(r(1)), None, "double free is a no-op");
-    assert_eq!(
-        rt.prefill_compute_done(r(1)),
-        None,
-        "compute-done after free is a no-op"
-    );
+    assert_eq!(rt.prefill_compute_done(r(1)), None, "compute-done after free is a no-op");
 
     // A request that ends before its compute finished (failed handoff) frees both at once.
     assert!(rt.free_prefill(r(2)).is_some());
     assert_eq!(rt.load(p(0)), WorkerLoad::default());
-    assert!(
-        rt.loads().is_empty(),
-        "nothing booked once nothing is in flight"
-    );
+    assert!(rt.loads().is_empty(), "nothing booked once nothing is in flight");
     assert_eq!(rt.bookings().in_flight(), (0, 0));
 }
 
@@ -92,22 +53,14 @@ fn decode_booking_lives_from_selection_to_terminal_outcome() {
     assert_eq!(sel.worker, d(0));
     assert_eq!(
         rt.book_decode(r(7), sel.worker, 10),
-        Ok(Fact::DecodeBooked {
-            request: r(7),
-            worker: d(0),
-            blocks: 10
-        })
+        Ok(Fact::DecodeBooked { request: r(7), worker: d(0), blocks: 10 })
     );
     assert_eq!(rt.load(d(0)), load(0, 0, 10));
     // The booking counts in the next KV selection: d1 is cheaper now.
     assert_eq!(rt.select_with_hashes(160, &[]).worker, d(1));
     assert_eq!(
         rt.free_decode(r(7), TerminalStatus::Failed),
-        Some(Fact::DecodeBookingFreed {
-            request: r(7),
-            worker: d(0),
-            status: TerminalStatus::Failed
-        })
+        Some(Fact::DecodeBookingFreed { request: r(7), worker: d(0), status: TerminalStatus::Failed })
     );
     assert_eq!(rt.free_decode(r(7), TerminalStatus::Completed), None);
     assert!(rt.loads().is_empty());
@@ -119,95 +72,36 @@ fn double_booking_and_foreign_workers_are_errors() {
     rt.book_decode(r(1), d(0), 3).unwrap();
     assert_eq!(
         rt.book_decode(r(1), d(1), 3),
-        Err(BookingError::DecodeAlreadyBooked {
-            request: r(1),
-            worker: d(0)
-        })
+        Err(BookingError::DecodeAlreadyBooked { request: r(1), worker: d(0) })
     );
-    assert_eq!(
-        rt.book_decode(r(2), d(9), 3),
-        Err(BookingError::UnknownWorker { worker: d(9) })
-    );
+    assert_eq!(rt.book_decode(r(2), d(9), 3), Err(BookingError::UnknownWorker { worker: d(9) }));
     rt.book_prefill(r(1), d(1), 5, 1).unwrap();
     assert_eq!(
         rt.book_prefill(r(1), d(1), 5, 1),
-        Err(BookingError::PrefillAlreadyBooked {
-            request: r(1),
-            worker: d(1)
-        })
+        Err(BookingError::PrefillAlreadyBooked { request: r(1), worker: d(1) })
     );
-    assert_eq!(
-        rt.load(d(0)),
-        load(0, 0, 3),
-        "a refused booking changes nothing"
-    );
+    assert_eq!(rt.load(d(0)), load(0, 0, 3), "a refused booking changes nothing");
     assert_eq!(rt.load(d(1)), load(5, 1, 0));
 }
 
 #[test]
 fn fold_rejects_inconsistent_streams() {
     let mut f = RouterFold::new();
+    assert!(f.apply(&Fact::PrefillBookingFreed { request: r(1), worker: p(0) }).is_err());
+    f.apply(&Fact::PrefillBooked { request: r(1), worker: p(0), prefill_tokens: 0, blocks: 1 }).unwrap();
+    assert!(f.apply(&Fact::PrefillComputeDone { request: r(1), worker: p(1) }).is_err(), "wrong worker");
+    f.apply(&Fact::PrefillComputeDone { request: r(1), worker: p(0) }).unwrap();
+    assert!(f.apply(&Fact::PrefillComputeDone { request: r(1), worker: p(0) }).is_err(), "twice");
     assert!(f
-        .apply(&Fact::PrefillBookingFreed {
-            request: r(1),
-            worker: p(0)
-        })
+        .apply(&Fact::PrefillBooked { request: r(1), worker: p(0), prefill_tokens: 0, blocks: 1 })
         .is_err());
-    f.apply(&Fact::PrefillBooked {
-        request: r(1),
-        worker: p(0),
-        prefill_tokens: 0,
-        blocks: 1,
-    })
-    .unwrap();
-    assert!(
-        f.apply(&Fact::PrefillComputeDone {
-            request: r(1),
-            worker: p(1)
-        })
-        .is_err(),
-        "wrong worker"
-    );
-    f.apply(&Fact::PrefillComputeDone {
-        request: r(1),
-        worker: p(0),
-    })
-    .unwrap();
-    assert!(
-        f.apply(&Fact::PrefillComputeDone {
-            request: r(1),
-            worker: p(0)
-        })
-        .is_err(),
-        "twice"
-    );
+    f.apply(&Fact::DecodeBooked { request: r(1), worker: d(0), blocks: 2 }).unwrap();
     assert!(f
-        .apply(&Fact::PrefillBooked {
-            request: r(1),
-            worker: p(0),
-            prefill_tokens: 0,
-            blocks: 1
-        })
-        .is_err());
-    f.apply(&Fact::DecodeBooked {
-        request: r(1),
-        worker: d(0),
-        blocks: 2,
-    })
-    .unwrap();
-    assert!(f
-        .apply(&Fact::DecodeBookingFreed {
-            request: r(1),
-            worker: d(1),
-            status: TerminalStatus::Completed
-        })
+        .apply(&Fact::DecodeBookingFreed { request: r(1), worker: d(1), status: TerminalStatus::Completed })
         .is_err());
     // Non-booking facts pass through.
     f.apply(&Fact::KvCleared).unwrap();
-    assert_eq!(
-        f.loads(),
-        BTreeMap::from([(p(0), load(0, 1, 0)), (d(0), load(0, 0, 2))])
-    );
+    assert_eq!(f.loads(), BTreeMap::from([(p(0), load(0, 1, 0)), (d(0), load(0, 0, 2))]));
 }
 
 // ---------------------------------------------------------------- fold = router, randomized
@@ -254,19 +148,12 @@ fn mode() -> impl Strategy<Value = RouterMode> {
         Just(RouterMode::kv()),
         Just(RouterMode::LeastLoaded),
         Just(RouterMode::PowerOfTwo),
-        Just(RouterMode::KvAware {
-            overlap_weight: 2.0,
-            temperature: 3.0
-        }),
+        Just(RouterMode::KvAware { overlap_weight: 2.0, temperature: 3.0 }),
     ]
 }
 
-const STATUSES: [TerminalStatus; 4] = [
-    TerminalStatus::Completed,
-    TerminalStatus::Rejected,
-    TerminalStatus::Failed,
-    TerminalStatus::Canceled,
-];
+const STATUSES: [TerminalStatus; 4] =
+    [TerminalStatus::Completed, TerminalStatus::Rejected, TerminalStatus::Failed, TerminalStatus::Canceled];
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]

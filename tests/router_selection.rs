@@ -9,16 +9,11 @@ use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
 
 fn stored(blocks: &[BlockHash]) -> Fact {
-    Fact::KvStored {
-        parent: None,
-        blocks: blocks.to_vec(),
-    }
+    Fact::KvStored { parent: None, blocks: blocks.to_vec() }
 }
 
 fn removed(blocks: &[BlockHash]) -> Fact {
-    Fact::KvRemoved {
-        blocks: blocks.to_vec(),
-    }
+    Fact::KvRemoved { blocks: blocks.to_vec() }
 }
 
 fn d(i: u32) -> WorkerId {
@@ -36,15 +31,9 @@ fn index_tracks_stored_removed_and_cleared() {
     let mut ix = KvIndex::new();
     ix.apply(p(0), &stored(&[10, 11, 12]));
     ix.apply(p(1), &stored(&[10, 11]));
-    assert_eq!(
-        ix.overlap(&[10, 11, 12]),
-        BTreeMap::from([(p(0), 3), (p(1), 2)])
-    );
+    assert_eq!(ix.overlap(&[10, 11, 12]), BTreeMap::from([(p(0), 3), (p(1), 2)]));
     ix.apply(p(0), &removed(&[11]));
-    assert_eq!(
-        ix.overlap(&[10, 11, 12]),
-        BTreeMap::from([(p(0), 1), (p(1), 2)])
-    );
+    assert_eq!(ix.overlap(&[10, 11, 12]), BTreeMap::from([(p(0), 1), (p(1), 2)]));
     assert!(!ix.holds(p(0), 11) && ix.holds(p(0), 12));
     ix.apply(p(1), &Fact::KvCleared);
     assert_eq!(ix.overlap(&[10, 11, 12]), BTreeMap::from([(p(0), 1)]));
@@ -52,19 +41,10 @@ fn index_tracks_stored_removed_and_cleared() {
     // Removing what is not there, storing twice, and unrelated facts are no-ops.
     ix.apply(p(1), &removed(&[99]));
     ix.apply(p(0), &stored(&[10]));
-    ix.apply(
-        p(0),
-        &Fact::KvEvicted {
-            kv: Default::default(),
-        },
-    );
+    ix.apply(p(0), &Fact::KvEvicted { kv: Default::default() });
     assert_eq!(ix.stored_pairs(), 2);
     ix.apply(p(0), &removed(&[10, 12]));
-    assert_eq!(
-        (ix.stored_pairs(), ix.distinct_hashes()),
-        (0, 0),
-        "empty index holds nothing"
-    );
+    assert_eq!((ix.stored_pairs(), ix.distinct_hashes()), (0, 0), "empty index holds nothing");
 }
 
 #[test]
@@ -157,17 +137,13 @@ fn req(id: u64, input: u32, trace_blocks: &[u64]) -> Request {
 #[test]
 fn round_robin_cycles_in_worker_id_order() {
     let mut r = Router::new(vec![d(2), d(0), d(1)], RouterMode::RoundRobin, 16, 0).unwrap();
-    let picks: Vec<u32> = (0..7)
-        .map(|i| r.select(&req(i, 100, &[i])).worker.index)
-        .collect();
+    let picks: Vec<u32> = (0..7).map(|i| r.select(&req(i, 100, &[i])).worker.index).collect();
     assert_eq!(picks, [0, 1, 2, 0, 1, 2, 0]);
 }
 
 fn picks(mode: RouterMode, seed: u64, n: usize) -> Vec<u32> {
     let mut r = Router::new((0..5).map(d).collect(), mode, 16, seed).unwrap();
-    (0..n)
-        .map(|i| r.select(&req(i as u64, 64, &[i as u64])).worker.index)
-        .collect()
+    (0..n).map(|i| r.select(&req(i as u64, 64, &[i as u64])).worker.index).collect()
 }
 
 #[test]
@@ -175,21 +151,13 @@ fn seeded_modes_are_deterministic_and_seed_dependent() {
     let noisy = [
         RouterMode::Random,
         RouterMode::PowerOfTwo,
-        RouterMode::KvAware {
-            overlap_weight: 1.0,
-            temperature: 5.0,
-        },
+        RouterMode::KvAware { overlap_weight: 1.0, temperature: 5.0 },
     ];
     for mode in noisy {
         let seed = 0x5eed_u64;
         let a = picks(mode.clone(), seed, 200);
         assert_eq!(a, picks(mode.clone(), seed, 200), "{mode} with seed {seed}");
-        assert_ne!(
-            a,
-            picks(mode.clone(), seed + 1, 200),
-            "{mode}: seeds {seed} and {} agree",
-            seed + 1
-        );
+        assert_ne!(a, picks(mode.clone(), seed + 1, 200), "{mode}: seeds {seed} and {} agree", seed + 1);
     }
 }
 
@@ -199,10 +167,7 @@ fn random_covers_every_worker_evenly() {
     let p = picks(RouterMode::Random, seed, 5000);
     for w in 0..5 {
         let n = p.iter().filter(|x| **x == w).count();
-        assert!(
-            (850..=1150).contains(&n),
-            "seed {seed}: worker {w} picked {n} of 5000"
-        );
+        assert!((850..=1150).contains(&n), "seed {seed}: worker {w} picked {n} of 5000");
     }
 }
 
@@ -230,10 +195,7 @@ fn kv_prefers_the_longest_overlap() {
     // A zero overlap weight ignores the cache: least booked wins, ties to the lowest id.
     let mut r0 = Router::new(
         (0..3).map(d).collect(),
-        RouterMode::KvAware {
-            overlap_weight: 0.0,
-            temperature: 0.0,
-        },
+        RouterMode::KvAware { overlap_weight: 0.0, temperature: 0.0 },
         bs,
         0,
     )
@@ -261,32 +223,21 @@ fn kv_temperature_samples_around_the_best() {
     let count_best = |temperature: f64| {
         let mut r = Router::new(
             (0..4).map(d).collect(),
-            RouterMode::KvAware {
-                overlap_weight: 1.0,
-                temperature,
-            },
+            RouterMode::KvAware { overlap_weight: 1.0, temperature },
             bs,
             seed,
         )
         .unwrap();
         r.observe(d(1), &stored(&hashes));
-        (0..2000)
-            .filter(|_| r.select(&prompt).worker == d(1))
-            .count()
+        (0..2000).filter(|_| r.select(&prompt).worker == d(1)).count()
     };
     // Cost gap 128 blocks: at T=1 the best always wins; at T=1e6 picks are near uniform.
     assert_eq!(count_best(1.0), 2000, "seed {seed}");
     let hot = count_best(1e6);
-    assert!(
-        (400..=600).contains(&hot),
-        "seed {seed}: best picked {hot} of 2000 at T=1e6"
-    );
+    assert!((400..=600).contains(&hot), "seed {seed}: best picked {hot} of 2000 at T=1e6");
     // At T = gap/ln(3), the best is 3× as likely as each other worker: 50%.
     let mid = count_best(128.0 / 3f64.ln());
-    assert!(
-        (900..=1100).contains(&mid),
-        "seed {seed}: best picked {mid} of 2000"
-    );
+    assert!((900..=1100).contains(&mid), "seed {seed}: best picked {mid} of 2000");
 }
 
 /// Books each selection as a decode of `blocks` and returns per-worker booking counts.
@@ -306,8 +257,7 @@ fn least_loaded_balances_and_breaks_ties_by_id() {
     let (mut r, counts) = balance(RouterMode::LeastLoaded, 4, 10, 0);
     assert_eq!(counts, [3, 3, 2, 2], "ties go to the lowest id");
     // Free two bookings on worker 0: it is now least loaded.
-    r.free_decode(RequestId(0), TerminalStatus::Completed)
-        .unwrap();
+    r.free_decode(RequestId(0), TerminalStatus::Completed).unwrap();
     r.free_decode(RequestId(4), TerminalStatus::Failed).unwrap();
     assert_eq!(r.select(&req(99, 16, &[99])).worker, d(0));
     // Uneven sizes: the next pick is always a worker with the fewest booked blocks.
@@ -331,10 +281,7 @@ fn power_of_two_never_picks_the_unique_most_loaded_and_balances() {
     let (r, counts) = balance(RouterMode::PowerOfTwo, 4, 400, seed);
     let (lo, hi) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
     assert!(hi - lo <= 4, "seed {seed}: counts {counts:?}");
-    assert_eq!(
-        r.loads().values().map(|l| l.decode_blocks).sum::<u64>(),
-        4000
-    );
+    assert_eq!(r.loads().values().map(|l| l.decode_blocks).sum::<u64>(), 4000);
     // One worker: always it.
     let mut one = Router::new(vec![d(5)], RouterMode::PowerOfTwo, 16, seed).unwrap();
     assert_eq!(one.select(&req(0, 1, &[0])).worker, d(5));
@@ -342,14 +289,7 @@ fn power_of_two_never_picks_the_unique_most_loaded_and_balances() {
 
 #[test]
 fn device_aware_loads_in_proportion_to_weight() {
-    let (_, counts) = balance(
-        RouterMode::DeviceAware {
-            weights: vec![1.0, 3.0],
-        },
-        2,
-        400,
-        0,
-    );
+    let (_, counts) = balance(RouterMode::DeviceAware { weights: vec![1.0, 3.0] }, 2, 400, 0);
     assert_eq!(counts, [100, 300]);
     // No weights: plain least-loaded.
     let (_, counts) = balance(RouterMode::DeviceAware { weights: vec![] }, 3, 9, 0);
@@ -358,78 +298,36 @@ fn device_aware_loads_in_proportion_to_weight() {
 
 #[test]
 fn mode_names_parse_and_configs_validate() {
-    for name in [
-        "round-robin",
-        "random",
-        "kv",
-        "least-loaded",
-        "p2c",
-        "device-aware",
-    ] {
+    for name in ["round-robin", "random", "kv", "least-loaded", "p2c", "device-aware"] {
         let m: RouterMode = name.parse().unwrap();
         assert_eq!(m.name(), name);
         assert_eq!(m.to_string(), name);
         let json = serde_json::to_string(&m).unwrap();
-        assert_eq!(
-            serde_json::from_str::<RouterMode>(&json).unwrap(),
-            m,
-            "{json}"
-        );
+        assert_eq!(serde_json::from_str::<RouterMode>(&json).unwrap(), m, "{json}");
     }
     assert!("kv-aware".parse::<RouterMode>().is_err());
     assert_eq!(RouterMode::default(), RouterMode::RoundRobin);
     let m: RouterMode = serde_json::from_str(r#"{"mode":"kv","temperature":0.5}"#).unwrap();
-    assert_eq!(
-        m,
-        RouterMode::KvAware {
-            overlap_weight: 1.0,
-            temperature: 0.5
-        }
-    );
+    assert_eq!(m, RouterMode::KvAware { overlap_weight: 1.0, temperature: 0.5 });
     assert!(serde_json::from_str::<RouterMode>(r#"{"mode":"kv","temprature":0.5}"#).is_err());
-    let e =
-        serde_json::from_str::<RouterMode>(r#"{"mode":"round-robin","weights":[1]}"#).unwrap_err();
-    assert!(
-        e.to_string()
-            .contains("router mode `round-robin` takes no `weights`"),
-        "{e}"
-    );
+    let e = serde_json::from_str::<RouterMode>(r#"{"mode":"round-robin","weights":[1]}"#).unwrap_err();
+    assert!(e.to_string().contains("router mode `round-robin` takes no `weights`"), "{e}");
     assert!(serde_json::from_str::<RouterMode>(r#"{"mode":"kv","weights":[1]}"#).is_err());
     assert!(serde_json::from_str::<RouterMode>(r#"{"mode":"p2c","temperature":1}"#).is_err());
     assert!(serde_json::from_str::<RouterMode>(r#"{"mode":"warp"}"#).is_err());
-    let m: RouterMode =
-        serde_json::from_str(r#"{"mode":"device-aware","weights":[1,2.5]}"#).unwrap();
-    assert_eq!(
-        m,
-        RouterMode::DeviceAware {
-            weights: vec![1.0, 2.5]
-        }
-    );
+    let m: RouterMode = serde_json::from_str(r#"{"mode":"device-aware","weights":[1,2.5]}"#).unwrap();
+    assert_eq!(m, RouterMode::DeviceAware { weights: vec![1.0, 2.5] });
 
     let ws = || (0..2).map(d).collect::<Vec<_>>();
     let bad = |m: RouterMode| matches!(Router::new(ws(), m, 16, 0), Err(RouterError::BadMode(_)));
-    assert!(bad(RouterMode::KvAware {
-        overlap_weight: -1.0,
-        temperature: 0.0
-    }));
-    assert!(bad(RouterMode::KvAware {
-        overlap_weight: 1.0,
-        temperature: f64::NAN
-    }));
+    assert!(bad(RouterMode::KvAware { overlap_weight: -1.0, temperature: 0.0 }));
+    assert!(bad(RouterMode::KvAware { overlap_weight: 1.0, temperature: f64::NAN }));
     assert!(bad(RouterMode::DeviceAware { weights: vec![1.0] }));
-    assert!(bad(RouterMode::DeviceAware {
-        weights: vec![1.0, 0.0]
-    }));
-    assert_eq!(
-        Router::new(vec![], RouterMode::RoundRobin, 16, 0).err(),
-        Some(RouterError::NoWorkers)
-    );
+    assert!(bad(RouterMode::DeviceAware { weights: vec![1.0, 0.0] }));
+    assert_eq!(Router::new(vec![], RouterMode::RoundRobin, 16, 0).err(), Some(RouterError::NoWorkers));
     assert_eq!(
         Router::new(vec![d(1), d(1)], RouterMode::RoundRobin, 16, 0).err(),
         Some(RouterError::DuplicateWorker(d(1)))
     );
-    assert_eq!(
-        Router::new(ws(), RouterMode::RoundRobin, 0, 0).err(),
-        Some(RouterError::ZeroBlockSize)
-    );
+    assert_eq!(Router::new(ws(), RouterMode::RoundRobin, 0, 0).err(), Some(RouterError::ZeroBlockSize));
 }

@@ -23,10 +23,7 @@ fn run(seed: u64) {
         ..SglangConfig::default()
     };
     let mut pre = Checked::new(cfg.clone());
-    let mut dec = Checked::new(SglangConfig {
-        total_pages: 1024,
-        ..cfg
-    });
+    let mut dec = Checked::new(SglangConfig { total_pages: 1024, ..cfg });
     let n = 150u64;
     let reqs: BTreeMap<u64, _> = (0..n)
         .map(|i| {
@@ -44,38 +41,14 @@ fn run(seed: u64) {
         if next < n {
             let r = reqs[&next].clone();
             let out = dec.cmd(|k| k.reserve_destination(hid(next), r, now + 1_000_000_000, now));
-            assert!(matches!(
-                out.outcome,
-                Ok(CommandOutcome::Applied | CommandOutcome::Unavailable)
-            ));
+            assert!(matches!(out.outcome, Ok(CommandOutcome::Applied | CommandOutcome::Unavailable)));
             next += 1;
-            route(
-                &mut pre,
-                &mut dec,
-                &reqs,
-                out.effects.outputs,
-                now,
-                &mut dispatched_before_reserved,
-            );
+            route(&mut pre, &mut dec, &reqs, out.effects.outputs, now, &mut dispatched_before_reserved);
         }
         let p = pre.step(now);
-        route(
-            &mut pre,
-            &mut dec,
-            &reqs,
-            p.effects.outputs,
-            now,
-            &mut dispatched_before_reserved,
-        );
+        route(&mut pre, &mut dec, &reqs, p.effects.outputs, now, &mut dispatched_before_reserved);
         let d = dec.step(now);
-        route(
-            &mut pre,
-            &mut dec,
-            &reqs,
-            d.effects.outputs,
-            now,
-            &mut dispatched_before_reserved,
-        );
+        route(&mut pre, &mut dec, &reqs, d.effects.outputs, now, &mut dispatched_before_reserved);
         now += p.duration_ns.max(d.duration_ns).max(1_000);
         if next == n && pre.core.is_drained() && dec.core.is_drained() {
             break;
@@ -90,23 +63,11 @@ fn run(seed: u64) {
     assert_eq!(dispatched_before_reserved, 0);
     for c in [&pre, &dec] {
         let s = c.core.snapshot();
-        assert_eq!(
-            s.kv_used_blocks() + s.request_slots_used + s.decode_headroom_tokens,
-            0,
-            "leak {s:?}"
-        );
+        assert_eq!(s.kv_used_blocks() + s.request_slots_used + s.decode_headroom_tokens, 0, "leak {s:?}");
     }
-    let completed = dec
-        .facts
-        .iter()
-        .filter(|f| matches!(f, Fact::RequestFinished { .. }))
-        .count();
+    let completed = dec.facts.iter().filter(|f| matches!(f, Fact::RequestFinished { .. })).count();
     assert_eq!(completed as u64, n);
-    let pins = pre
-        .facts
-        .iter()
-        .filter(|f| matches!(f, Fact::SourcePinned { .. }))
-        .count();
+    let pins = pre.facts.iter().filter(|f| matches!(f, Fact::SourcePinned { .. })).count();
     assert_eq!(pins as u64, n);
     let reused: u32 = dec
         .facts
@@ -116,10 +77,7 @@ fn run(seed: u64) {
             _ => None,
         })
         .sum();
-    assert!(
-        reused > 0,
-        "shared prefixes should hit the decode radix cache"
-    );
+    assert!(reused > 0, "shared prefixes should hit the decode radix cache");
 }
 
 fn route(

@@ -14,23 +14,9 @@ use std::collections::BTreeMap;
 
 #[derive(Clone, Debug)]
 enum Op {
-    Submit {
-        input: u32,
-        output: u32,
-        family: u64,
-        shared: u32,
-    },
-    Prefill {
-        input: u32,
-        family: u64,
-        shared: u32,
-    },
-    Reserve {
-        input: u32,
-        output: u32,
-        family: u64,
-        shared: u32,
-    },
+    Submit { input: u32, output: u32, family: u64, shared: u32 },
+    Prefill { input: u32, family: u64, shared: u32 },
+    Reserve { input: u32, output: u32, family: u64, shared: u32 },
     Activate(usize),
     Release(usize),
     CancelSource(usize),
@@ -40,14 +26,7 @@ enum Op {
 }
 
 fn op() -> impl Strategy<Value = Op> {
-    let shape = || {
-        (
-            prop_oneof![9 => 0u32..300, 1 => 600u32..900],
-            0u32..50,
-            0u64..3,
-            0u32..8,
-        )
-    };
+    let shape = || (prop_oneof![9 => 0u32..300, 1 => 600u32..900], 0u32..50, 0u64..3, 0u32..8);
     prop_oneof![
         3 => shape().prop_map(|(input, output, family, shared)| Op::Submit { input, output, family, shared }),
         2 => shape().prop_map(|(input, _, family, shared)| Op::Prefill { input, family, shared }),
@@ -74,42 +53,21 @@ fn run(ops: &[Op]) -> Checked {
     for op in ops {
         now += 1_000;
         match *op {
-            Op::Submit {
-                input,
-                output,
-                family,
-                shared,
-            } => {
+            Op::Submit { input, output, family, shared } => {
                 next_id += 1;
                 c.cmd(|k| k.submit(req(next_id, input, output, family, shared), now));
             }
-            Op::Prefill {
-                input,
-                family,
-                shared,
-            } => {
+            Op::Prefill { input, family, shared } => {
                 next_id += 1;
                 let h = hid(next_id);
-                c.cmd(|k| {
-                    k.submit_handoff_prefill(h, req(next_id, input, 1, family, shared), 5_000, now)
-                });
+                c.cmd(|k| k.submit_handoff_prefill(h, req(next_id, input, 1, family, shared), 5_000, now));
                 srcs.push(h);
             }
-            Op::Reserve {
-                input,
-                output,
-                family,
-                shared,
-            } => {
+            Op::Reserve { input, output, family, shared } => {
                 next_id += 1;
                 let h = hid(next_id);
                 c.cmd(|k| {
-                    k.reserve_destination(
-                        h,
-                        req(next_id, input, output, family, shared),
-                        now + 9,
-                        now,
-                    )
+                    k.reserve_destination(h, req(next_id, input, output, family, shared), now + 9, now)
                 });
                 dsts.push(h);
             }
@@ -173,11 +131,7 @@ fn run(ops: &[Op]) -> Checked {
 
 fn check_end(c: &Checked) {
     let s = c.core.snapshot();
-    assert_eq!(
-        s.active_blocks + s.pinned_source_blocks + s.reserved_destination_blocks,
-        0,
-        "leak: {s:?}"
-    );
+    assert_eq!(s.active_blocks + s.pinned_source_blocks + s.reserved_destination_blocks, 0, "leak: {s:?}");
     assert_eq!(s.request_slots_used, 0, "slot leak: {s:?}");
     assert_eq!(s.decode_headroom_tokens, 0, "headroom leak: {s:?}");
     assert_eq!(s.cached_free_blocks + s.free_blocks, s.total_blocks);
@@ -187,11 +141,7 @@ fn check_end(c: &Checked) {
     for (h, n) in c.handoff_counts() {
         let get = |k: &str| n.get(k).copied().unwrap_or(0);
         assert!(get("SourcePinned") <= 1, "{h}: pinned twice {n:?}");
-        assert_eq!(
-            get("SourcePinned"),
-            get("SourceReleased"),
-            "{h}: pin not ended once {n:?}"
-        );
+        assert_eq!(get("SourcePinned"), get("SourceReleased"), "{h}: pin not ended once {n:?}");
         assert!(get("DestinationReserved") <= 1, "{h}: reserved twice {n:?}");
         assert_eq!(
             get("DestinationReserved"),
@@ -200,11 +150,7 @@ fn check_end(c: &Checked) {
         );
         assert!(get("ReservationQueued") <= 1);
         if get("ReservationQueued") == 1 {
-            assert_eq!(
-                get("DestinationReserved") + get("ReservationDequeued"),
-                1,
-                "{h}: queue exit {n:?}"
-            );
+            assert_eq!(get("DestinationReserved") + get("ReservationDequeued"), 1, "{h}: queue exit {n:?}");
         }
     }
     // Every request that was queued or activated reached exactly one terminal fact, except
@@ -247,10 +193,7 @@ fn random_runs_exercise_every_path() {
     let mut tot: BTreeMap<&'static str, u64> = BTreeMap::new();
     let mut pinned_partial = 0;
     for _ in 0..100 {
-        let ops = proptest::collection::vec(op(), 1..120)
-            .new_tree(&mut runner)
-            .unwrap()
-            .current();
+        let ops = proptest::collection::vec(op(), 1..120).new_tree(&mut runner).unwrap().current();
         let c = run(&ops);
         for f in &c.facts {
             *tot.entry(f.name()).or_default() += 1;
@@ -271,13 +214,7 @@ fn random_runs_exercise_every_path() {
         "SourcePinned",
         "KvRemoved",
     ] {
-        assert!(
-            tot.get(name).copied().unwrap_or(0) > 0,
-            "no {name} in any run"
-        );
+        assert!(tot.get(name).copied().unwrap_or(0) > 0, "no {name} in any run");
     }
-    assert!(
-        pinned_partial > 0,
-        "no pin ever moved a page to pinned_source"
-    );
+    assert!(pinned_partial > 0, "no pin ever moved a page to pinned_source");
 }

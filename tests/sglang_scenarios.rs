@@ -28,12 +28,7 @@ fn cfg(total_pages: u32, slots: u32) -> SglangConfig {
 }
 
 /// Steps until `pred` holds on a step's facts; returns the facts of that step.
-fn step_until(
-    c: &mut Checked,
-    now: &mut u64,
-    max: u32,
-    pred: impl Fn(&[Fact]) -> bool,
-) -> Vec<Fact> {
+fn step_until(c: &mut Checked, now: &mut u64, max: u32, pred: impl Fn(&[Fact]) -> bool) -> Vec<Fact> {
     for _ in 0..max {
         let out = c.step(*now);
         *now += out.duration_ns.max(1);
@@ -41,10 +36,7 @@ fn step_until(
             return out.effects.facts;
         }
     }
-    panic!(
-        "condition not reached in {max} steps; view {:?}",
-        c.core.view()
-    );
+    panic!("condition not reached in {max} steps; view {:?}", c.core.view());
 }
 
 fn drain(c: &mut Checked, now: &mut u64) {
@@ -60,13 +52,9 @@ fn drain(c: &mut Checked, now: &mut u64) {
 
 fn reserved_fact(facts: &[Fact]) -> Option<(u32, u32, u32, KvDelta)> {
     facts.iter().find_map(|f| match f {
-        Fact::DestinationReserved {
-            pages,
-            prefix_blocks,
-            prefix_tokens,
-            kv,
-            ..
-        } => Some((*pages, *prefix_blocks, *prefix_tokens, *kv)),
+        Fact::DestinationReserved { pages, prefix_blocks, prefix_tokens, kv, .. } => {
+            Some((*pages, *prefix_blocks, *prefix_tokens, *kv))
+        }
         _ => None,
     })
 }
@@ -102,15 +90,11 @@ fn scenario2_full_decode_refuses_then_reserves_on_free_slot() {
     let r = c.cmd(|k| k.reserve_destination(hid(1), req(100, 80, 10, 1, 0), 99, now));
     assert_eq!(r.outcome, Ok(CommandOutcome::Unavailable));
     assert_eq!(count(&r.effects.facts, "ReservationQueued"), 1);
-    assert!(r.effects.facts.contains(&Fact::ReservationRefused {
-        handoff: hid(1),
-        reason: RejectReason::NoSlot
-    }));
-    assert_eq!(
-        c.core.snapshot(),
-        before,
-        "a refused reservation holds nothing"
-    );
+    assert!(r
+        .effects
+        .facts
+        .contains(&Fact::ReservationRefused { handoff: hid(1), reason: RejectReason::NoSlot }));
+    assert_eq!(c.core.snapshot(), before, "a refused reservation holds nothing");
     assert_eq!(c.core.view().pending_reservations, 1);
     // The first request to finish frees a slot; the same step reserves the head.
     let facts = step_until(&mut c, &mut now, 50, |f| count(f, "RequestFinished") > 0);
@@ -135,10 +119,10 @@ fn scenario2_page_exhaustion_refuses_with_no_capacity() {
     // Needs 7 pages + 32 headroom tokens (2 pages) + 32 promised to the running request.
     let r = c.cmd(|k| k.reserve_destination(hid(1), req(2, 100, 5, 2, 0), 0, now));
     assert_eq!(r.outcome, Ok(CommandOutcome::Unavailable));
-    assert!(r.effects.facts.contains(&Fact::ReservationRefused {
-        handoff: hid(1),
-        reason: RejectReason::NoCapacity
-    }));
+    assert!(r
+        .effects
+        .facts
+        .contains(&Fact::ReservationRefused { handoff: hid(1), reason: RejectReason::NoCapacity }));
     let facts = step_until(&mut c, &mut now, 100, |f| count(f, "RequestFinished") > 0);
     let (pages, _, _, kv) = reserved_fact(&facts).expect("reserved once the pages returned");
     assert_eq!(pages, 7);
@@ -170,12 +154,7 @@ fn scenario2_zero_partial_and_full_prefix_hits() {
     assert!(r.effects.outputs.iter().any(|o| matches!(
         o,
         EngineOutput::DestinationReserved {
-            summary: ReservationSummary {
-                pages: 7,
-                prefix_blocks: 0,
-                prefix_tokens: 0,
-                missing_tokens: 112
-            },
+            summary: ReservationSummary { pages: 7, prefix_blocks: 0, prefix_tokens: 0, missing_tokens: 112 },
             ..
         }
     )));
@@ -184,14 +163,8 @@ fn scenario2_zero_partial_and_full_prefix_hits() {
     let r = c.cmd(|k| k.reserve_destination(hid(11), req(11, 160, 4, 7, 2), 0, now));
     let (pages, pb, pt, kv) = reserved_fact(&r.effects.facts).unwrap();
     assert_eq!((pages, pb, pt), (6, 4, 64));
-    assert_eq!(
-        kv.cached_free, -4,
-        "locked prefix leaves cached-free (no eviction needed here)"
-    );
-    assert_eq!(
-        kv.reserved_destination, 10,
-        "6 delta pages + 4 prefix pages only this reservation holds"
-    );
+    assert_eq!(kv.cached_free, -4, "locked prefix leaves cached-free (no eviction needed here)");
+    assert_eq!(kv.reserved_destination, 10, "6 delta pages + 4 prefix pages only this reservation holds");
     assert_eq!(kv.free, -6);
 
     // Full hit: the same 128-token prompt; zero delta pages, nothing to transfer.
@@ -199,18 +172,11 @@ fn scenario2_zero_partial_and_full_prefix_hits() {
     let (pages, pb, pt, kv) = reserved_fact(&r.effects.facts).unwrap();
     assert_eq!((pages, pb, pt), (0, 8, 128));
     assert_eq!(kv.free, 0, "a full hit allocates no page");
-    assert_eq!(
-        kv.cached_free, -4,
-        "4 of the 8 prefix pages were already locked by hid(11)"
-    );
+    assert_eq!(kv.cached_free, -4, "4 of the 8 prefix pages were already locked by hid(11)");
     assert!(r.effects.outputs.iter().any(|o| matches!(
         o,
         EngineOutput::DestinationReserved {
-            summary: ReservationSummary {
-                pages: 0,
-                missing_tokens: 0,
-                ..
-            },
+            summary: ReservationSummary { pages: 0, missing_tokens: 0, .. },
             ..
         }
     )));
@@ -221,11 +187,7 @@ fn scenario2_zero_partial_and_full_prefix_hits() {
     let r = c.cmd(|k| k.activate_destination(hid(12), now));
     assert_eq!(stored_hashes(&r.effects.facts).len(), 0);
     let r = c.cmd(|k| k.activate_destination(hid(11), now));
-    assert_eq!(
-        stored_hashes(&r.effects.facts).len(),
-        6,
-        "160 tokens = 10 full pages, 4 reused"
-    );
+    assert_eq!(stored_hashes(&r.effects.facts).len(), 6, "160 tokens = 10 full pages, 4 reused");
     let r = c.cmd(|k| k.activate_destination(hid(10), now));
     assert_eq!(
         stored_hashes(&r.effects.facts).len(),
@@ -234,14 +196,7 @@ fn scenario2_zero_partial_and_full_prefix_hits() {
     );
     drain(&mut c, &mut now);
     let s = c.core.snapshot();
-    assert_eq!(
-        (
-            s.request_slots_used,
-            s.decode_headroom_tokens,
-            s.active_blocks
-        ),
-        (0, 0, 0)
-    );
+    assert_eq!((s.request_slots_used, s.decode_headroom_tokens, s.active_blocks), (0, 0, 0));
 }
 
 #[test]
@@ -259,16 +214,9 @@ fn scenario4_reserved_pages_are_published_once_and_only_after_activation() {
         now += o.duration_ns;
     }
     let published: BTreeSet<u64> = stored_hashes(&c.facts).into_iter().collect();
-    assert!(
-        prompt.iter().all(|h| !published.contains(h)),
-        "reserved pages published before activation"
-    );
+    assert!(prompt.iter().all(|h| !published.contains(h)), "reserved pages published before activation");
     let a = c.cmd(|k| k.activate_destination(hid(5), now));
-    assert_eq!(
-        stored_hashes(&a.effects.facts),
-        prompt,
-        "activation publishes the 6 pages, in order"
-    );
+    assert_eq!(stored_hashes(&a.effects.facts), prompt, "activation publishes the 6 pages, in order");
     // Activating again is a no-op and publishes nothing.
     let again = c.cmd(|k| k.activate_destination(hid(5), now));
     assert_eq!(again.outcome, Ok(CommandOutcome::NoOp));
@@ -276,11 +224,7 @@ fn scenario4_reserved_pages_are_published_once_and_only_after_activation() {
     drain(&mut c, &mut now);
     let all = stored_hashes(&c.facts);
     for h in &prompt {
-        assert_eq!(
-            all.iter().filter(|x| *x == h).count(),
-            1,
-            "a prompt page published more than once"
-        );
+        assert_eq!(all.iter().filter(|x| *x == h).count(), 1, "a prompt page published more than once");
     }
 }
 
@@ -302,19 +246,18 @@ fn activated_destination_decodes_without_recompute() {
     let mut prefill = 0;
     let mut decodes = 0;
     for f in &c.facts {
-        if let Fact::StepExecuted {
-            prefill_tokens,
-            decode_tokens,
-            ..
-        } = f
-        {
+        if let Fact::StepExecuted { prefill_tokens, decode_tokens, .. } = f {
             prefill += prefill_tokens;
             decodes += decode_tokens;
         }
     }
     assert_eq!(prefill, 0, "the prompt is never recomputed");
     assert_eq!(decodes, 4, "the first of 5 tokens came from the source");
-    assert_eq!(count(&c.facts, "FirstTokenEmitted"), 1, "the transferred first token is committed at activation");
+    assert_eq!(
+        count(&c.facts, "FirstTokenEmitted"),
+        1,
+        "the transferred first token is committed at activation"
+    );
     assert!(c.facts.iter().any(|f| matches!(f,
         Fact::RequestFinished { request: RequestId(1), status: TerminalStatus::Completed, output_tokens: 5, kv }
             if kv.headroom_tokens == -32 && kv.slots == -1)));
@@ -347,11 +290,7 @@ fn head_retries_only_when_capacity_changes() {
         now += o.duration_ns;
         assert_eq!(count(&o.effects.facts, "RequestFinished"), 0);
     }
-    assert_eq!(
-        (refused(&c, hid(1)), refused(&c, hid(2))),
-        (1, 0),
-        "no retry without a capacity change"
-    );
+    assert_eq!((refused(&c, hid(1)), refused(&c, hid(2))), (1, 0), "no retry without a capacity change");
     // Request 2 finishes: its slot frees, the head reserves, then the new head is tried once.
     let facts = step_until(&mut c, &mut now, 20, |f| count(f, "RequestFinished") > 0);
     assert!(reserved_fact(&facts).is_some());
@@ -374,11 +313,7 @@ fn cancellation_in_every_state_returns_everything_once() {
     assert_eq!(r.outcome, Ok(CommandOutcome::Applied));
     assert_eq!(count(&r.effects.facts, "ReservationReleased"), 1);
     assert_eq!(count(&r.effects.facts, "KvStored"), 0);
-    assert_eq!(
-        c.core.snapshot(),
-        base,
-        "slot, pages, locks and headroom all returned"
-    );
+    assert_eq!(c.core.snapshot(), base, "slot, pages, locks and headroom all returned");
     for again in [
         c.cmd(|k| k.cancel_destination(hid(1), CancelReason::TransferFailed, now)),
         c.cmd(|k| k.activate_destination(hid(1), now)),
@@ -396,10 +331,10 @@ fn cancellation_in_every_state_returns_everything_once() {
     let r = c.cmd(|k| k.reserve_destination(hid(2), req(3, 40, 5, 1, 0), 0, now));
     assert_eq!(r.outcome, Ok(CommandOutcome::Unavailable));
     let r = c.cmd(|k| k.cancel_destination(hid(2), CancelReason::RequestAborted, now));
-    assert!(r.effects.facts.contains(&Fact::ReservationDequeued {
-        handoff: hid(2),
-        reason: CancelReason::RequestAborted
-    }));
+    assert!(r
+        .effects
+        .facts
+        .contains(&Fact::ReservationDequeued { handoff: hid(2), reason: CancelReason::RequestAborted }));
     assert_eq!(c.core.snapshot(), full);
     assert_eq!(c.core.view().pending_reservations, 0);
     drain(&mut c, &mut now);
@@ -423,10 +358,7 @@ fn cancellation_in_every_state_returns_everything_once() {
         assert_eq!((kv.slots, kv.headroom_tokens), (-1, -32));
         let after = c.core.snapshot();
         assert_eq!(after.active_blocks, before.active_blocks);
-        assert_eq!(
-            (after.request_slots_used, after.decode_headroom_tokens),
-            (0, 0)
-        );
+        assert_eq!((after.request_slots_used, after.decode_headroom_tokens), (0, 0));
         let r = c.cmd(|k| k.cancel_destination(hid(h), CancelReason::RequestAborted, now));
         assert_eq!(r.outcome, Ok(CommandOutcome::NoOp));
     }
@@ -443,11 +375,7 @@ fn cancellation_in_every_state_returns_everything_once() {
     let mut d = Checked::new(small);
     d.cmd(|k| k.submit_handoff_prefill(hid(21), req(201, 100, 1, 41, 0), 1_000, 0));
     let o = d.step(0);
-    assert_eq!(
-        count(&o.effects.facts, "FirstTokenEmitted"),
-        0,
-        "first chunk of four"
-    );
+    assert_eq!(count(&o.effects.facts, "FirstTokenEmitted"), 0, "first chunk of four");
     assert_eq!(d.core.snapshot().request_slots_used, 1);
     let r = d.cmd(|k| k.cancel_source(hid(21), CancelReason::PeerLost, 5));
     assert_eq!(count(&r.effects.facts, "RequestFinished"), 1);
@@ -463,14 +391,7 @@ fn cancellation_in_every_state_returns_everything_once() {
     let r = c.cmd(|k| k.release_source(hid(22), EndReason::Success, now));
     assert_eq!(r.outcome, Ok(CommandOutcome::NoOp));
     let s = c.core.snapshot();
-    assert_eq!(
-        (
-            s.pinned_source_blocks,
-            s.request_slots_used,
-            s.active_blocks
-        ),
-        (0, 0, 0)
-    );
+    assert_eq!((s.pinned_source_blocks, s.request_slots_used, s.active_blocks), (0, 0, 0));
 }
 
 #[test]
@@ -482,60 +403,30 @@ fn source_pins_in_the_same_step_and_release_keeps_pages_cached() {
     let out = c.step(1_000);
     let end = 1_000 + out.duration_ns;
     let facts = &out.effects.facts;
-    assert!(facts.contains(&Fact::FirstTokenEmitted {
-        request: RequestId(1)
-    }));
-    assert_eq!(
-        stored_hashes(facts),
-        prompt,
-        "6 full pages published at the last chunk"
-    );
+    assert!(facts.contains(&Fact::FirstTokenEmitted { request: RequestId(1) }));
+    assert_eq!(stored_hashes(facts), prompt, "6 full pages published at the last chunk");
     let pin = facts.iter().find_map(|f| match f {
-        Fact::SourcePinned {
-            blocks,
-            deadline_ns,
-            kv,
-            ..
-        } => Some((*blocks, *deadline_ns, *kv)),
+        Fact::SourcePinned { blocks, deadline_ns, kv, .. } => Some((*blocks, *deadline_ns, *kv)),
         _ => None,
     });
     let (blocks, deadline, kv) = pin.expect("pinned in the terminal step");
     assert_eq!(blocks, 7);
     assert_eq!(deadline, end + 7_000);
-    assert_eq!(
-        (kv.active, kv.pinned_source, kv.slots),
-        (-7, 7, 0),
-        "a pure move; the slot stays held"
-    );
-    assert!(out
-        .effects
-        .outputs
-        .iter()
-        .any(|o| matches!(o, EngineOutput::SourcePinned { blocks: 7, .. })));
+    assert_eq!((kv.active, kv.pinned_source, kv.slots), (-7, 7, 0), "a pure move; the slot stays held");
+    assert!(out.effects.outputs.iter().any(|o| matches!(o, EngineOutput::SourcePinned { blocks: 7, .. })));
     assert_eq!(c.core.view().held_prefills, 1);
     assert!(!c.core.is_drained() && c.core.is_empty());
     // Pinned pages survive pressure: they are not evictable.
     assert_eq!(
-        c.cmd(|k| k.release_source(hid(1), EndReason::Success, end))
-            .outcome,
+        c.cmd(|k| k.release_source(hid(1), EndReason::Success, end)).outcome,
         Ok(CommandOutcome::Applied)
     );
     let s = c.core.snapshot();
-    assert_eq!(
-        (
-            s.pinned_source_blocks,
-            s.cached_free_blocks,
-            s.request_slots_used
-        ),
-        (0, 6, 0)
-    );
+    assert_eq!((s.pinned_source_blocks, s.cached_free_blocks, s.request_slots_used), (0, 6, 0));
     assert!(c.core.is_drained());
     // The released pages are reused by a destination with the same prompt.
     let res = c.cmd(|k| k.reserve_destination(hid(2), req(2, 100, 30, 5, 3), 0, end));
-    assert_eq!(
-        reserved_fact(&res.effects.facts).map(|r| (r.0, r.1)),
-        Some((1, 6))
-    );
+    assert_eq!(reserved_fact(&res.effects.facts).map(|r| (r.0, r.1)), Some((1, 6)));
 }
 
 #[test]
@@ -553,10 +444,7 @@ fn pin_shared_with_a_running_request_moves_only_exclusive_pages() {
     });
     // 6 pages, of which 3 are shared (the prefill recomputes at least its last page).
     let kv = kv.expect("pinned with 6 pages");
-    assert!(
-        kv.pinned_source < 6 && kv.pinned_source > 0,
-        "shared pages stay active: {kv:?}"
-    );
+    assert!(kv.pinned_source < 6 && kv.pinned_source > 0, "shared pages stay active: {kv:?}");
     assert_eq!(kv.active, -kv.pinned_source);
 }
 
@@ -576,10 +464,7 @@ fn retraction_picks_fewest_outputs_and_resets_ratio() {
         now += o.duration_ns;
     }
     let decay = (0.7 - 0.098) / 10.0;
-    assert!(
-        (c.core.new_token_ratio() - (init - 3.0 * decay)).abs() < 1e-9,
-        "ratio decays linearly"
-    );
+    assert!((c.core.new_token_ratio() - (init - 3.0 * decay)).abs() < 1e-9, "ratio decays linearly");
     c.cmd(|k| k.submit(req(2, 32, 60, 2, 0), now));
     c.cmd(|k| k.submit(req(3, 48, 60, 3, 0), now));
     let facts = step_until(&mut c, &mut now, 400, |f| count(f, "RequestPreempted") > 0);
@@ -632,18 +517,11 @@ fn chunked_prefill_emits_first_token_after_the_last_chunk() {
 fn never_fitting_requests_are_rejected_at_submit() {
     let mut c = Checked::new(cfg(8, 4)); // 128 tokens
     let r = c.cmd(|k| k.submit(req(1, 120, 20, 1, 0), 0));
-    assert!(matches!(
-        r.outcome,
-        Err(CommandError::NeverFits {
-            needed_blocks: 9,
-            total_blocks: 8,
-            ..
-        })
-    ));
-    assert!(r.effects.facts.contains(&Fact::RequestRejected {
-        request: RequestId(1),
-        reason: RejectReason::NeverFits
-    }));
+    assert!(matches!(r.outcome, Err(CommandError::NeverFits { needed_blocks: 9, total_blocks: 8, .. })));
+    assert!(r
+        .effects
+        .facts
+        .contains(&Fact::RequestRejected { request: RequestId(1), reason: RejectReason::NeverFits }));
     // Input 100 + 32 reserved decode tokens > 128.
     let r = c.cmd(|k| k.reserve_destination(hid(1), req(2, 100, 4, 1, 0), 0, 0));
     assert!(matches!(r.outcome, Err(CommandError::NeverFits { .. })));
@@ -661,13 +539,11 @@ fn bogus_and_wrong_state_commands_are_typed_errors() {
     );
     c.cmd(|k| k.submit_handoff_prefill(hid(2), req(2, 40, 1, 1, 0), 10, 0));
     assert!(matches!(
-        c.cmd(|k| k.release_source(hid(2), EndReason::Success, 0))
-            .outcome,
+        c.cmd(|k| k.release_source(hid(2), EndReason::Success, 0)).outcome,
         Err(CommandError::InvalidState { .. })
     ));
     assert_eq!(
-        c.cmd(|k| k.submit_handoff_prefill(hid(2), req(3, 40, 1, 1, 0), 10, 0))
-            .outcome,
+        c.cmd(|k| k.submit_handoff_prefill(hid(2), req(3, 40, 1, 1, 0), 10, 0)).outcome,
         Err(CommandError::DuplicateHandoff(hid(2)))
     );
 }
@@ -676,57 +552,23 @@ fn bogus_and_wrong_state_commands_are_typed_errors() {
 fn config_defaults_serde_and_validation() {
     let d: SglangConfig = serde_json::from_str("{}").unwrap();
     assert_eq!(d, SglangConfig::default());
+    assert_eq!((d.total_pages, d.page_size, d.max_running_requests), (16384, 64, 256));
+    assert_eq!((d.max_prefill_tokens, d.chunked_prefill_size, d.clip_max_new_tokens), (16384, 8192, 4096));
     assert_eq!(
-        (d.total_pages, d.page_size, d.max_running_requests),
-        (16384, 64, 256)
-    );
-    assert_eq!(
-        (
-            d.max_prefill_tokens,
-            d.chunked_prefill_size,
-            d.clip_max_new_tokens
-        ),
-        (16384, 8192, 4096)
-    );
-    assert_eq!(
-        (
-            d.init_new_token_ratio,
-            d.min_new_token_ratio,
-            d.new_token_ratio_decay_steps
-        ),
+        (d.init_new_token_ratio, d.min_new_token_ratio, d.new_token_ratio_decay_steps),
         (0.7, 0.098, 600)
     );
     assert_eq!(d.num_reserved_decode_tokens, 512);
     assert!(serde_json::from_str::<SglangConfig>(r#"{"page_sise": 16}"#).is_err());
-    let bad = SglangConfig {
-        page_size: 0,
-        ..SglangConfig::default()
-    };
-    assert!(matches!(
-        bad.validate(),
-        Err(ConfigError::TooSmall {
-            field: "page_size",
-            ..
-        })
-    ));
-    let bad = SglangConfig {
-        min_new_token_ratio: 0.9,
-        ..SglangConfig::default()
-    };
+    let bad = SglangConfig { page_size: 0, ..SglangConfig::default() };
+    assert!(matches!(bad.validate(), Err(ConfigError::TooSmall { field: "page_size", .. })));
+    let bad = SglangConfig { min_new_token_ratio: 0.9, ..SglangConfig::default() };
     assert!(matches!(bad.validate(), Err(ConfigError::BadRatio { .. })));
-    let bad = SglangConfig {
-        chunked_prefill_size: 32,
-        ..SglangConfig::default()
-    };
-    assert!(matches!(
-        bad.validate(),
-        Err(ConfigError::ChunkBelowPage { .. })
-    ));
-    let core = handoff_ledger::schedulers::sglang::SglangCore::new(
-        handoff_ledger::ids::WorkerId::decode(0),
-        d,
-    )
-    .unwrap();
+    let bad = SglangConfig { chunked_prefill_size: 32, ..SglangConfig::default() };
+    assert!(matches!(bad.validate(), Err(ConfigError::ChunkBelowPage { .. })));
+    let core =
+        handoff_ledger::schedulers::sglang::SglangCore::new(handoff_ledger::ids::WorkerId::decode(0), d)
+            .unwrap();
     assert_eq!(core.shape().total_blocks, 16384);
     assert_eq!(core.shape().block_size, 64);
 }
@@ -740,11 +582,7 @@ fn prefill_batch_respects_max_prefill_tokens() {
         c.cmd(|k| k.submit(req(i, 100, 5, 10 + i, 0), 0));
     }
     let o = c.step(0);
-    assert_eq!(
-        count(&o.effects.facts, "RequestScheduled"),
-        1,
-        "100 + 112 page-rounded > 128"
-    );
+    assert_eq!(count(&o.effects.facts, "RequestScheduled"), 1, "100 + 112 page-rounded > 128");
     // A single prompt larger than the budget still runs alone.
     let mut config = cfg(256, 8);
     config.max_prefill_tokens = 64;
@@ -753,13 +591,7 @@ fn prefill_batch_respects_max_prefill_tokens() {
     d.cmd(|k| k.submit(req(10, 16, 5, 2, 0), 0));
     let o = d.step(0);
     assert_eq!(count(&o.effects.facts, "RequestScheduled"), 1);
-    assert!(o.effects.facts.iter().any(|f| matches!(
-        f,
-        Fact::StepExecuted {
-            prefill_tokens: 200,
-            ..
-        }
-    )));
+    assert!(o.effects.facts.iter().any(|f| matches!(f, Fact::StepExecuted { prefill_tokens: 200, .. })));
 }
 
 #[test]
@@ -776,10 +608,10 @@ fn pinned_sources_hold_request_slots() {
     assert_eq!(c.core.view().waiting, 1);
     // A reservation is refused for the same reason.
     let r = c.cmd(|k| k.reserve_destination(hid(3), req(4, 40, 3, 4, 0), 0, now));
-    assert!(r.effects.facts.contains(&Fact::ReservationRefused {
-        handoff: hid(3),
-        reason: RejectReason::NoSlot
-    }));
+    assert!(r
+        .effects
+        .facts
+        .contains(&Fact::ReservationRefused { handoff: hid(3), reason: RejectReason::NoSlot }));
     // Releasing one pin frees a slot: the FIFO head takes it at the end of the release.
     let r = c.cmd(|k| k.release_source(hid(1), EndReason::Success, now));
     assert!(reserved_fact(&r.effects.facts).is_some());
@@ -799,17 +631,14 @@ fn nothing_preallocates_while_retracted_requests_wait() {
     c.cmd(|k| k.submit(req(3, 48, 60, 3, 0), 0));
     step_until(&mut c, &mut now, 400, |f| count(f, "RequestPreempted") > 0);
     let s = c.core.snapshot();
-    assert!(
-        s.free_blocks + s.cached_free_blocks >= 1,
-        "precondition: a page is available {s:?}"
-    );
+    assert!(s.free_blocks + s.cached_free_blocks >= 1, "precondition: a page is available {s:?}");
     assert!(s.request_slots_used < 8);
     let r = c.cmd(|k| k.reserve_destination(hid(1), req(9, 1, 1, 9, 0), 0, now));
     assert_eq!(r.outcome, Ok(CommandOutcome::Unavailable));
-    assert!(r.effects.facts.contains(&Fact::ReservationRefused {
-        handoff: hid(1),
-        reason: RejectReason::NoCapacity
-    }));
+    assert!(r
+        .effects
+        .facts
+        .contains(&Fact::ReservationRefused { handoff: hid(1), reason: RejectReason::NoCapacity }));
     // Once no retracted request waits, the head is retried and fits.
     drain(&mut c, &mut now);
     assert!(c

@@ -60,19 +60,11 @@ impl Read for Generated {
 }
 
 fn peak_while_reading(lines: u64) -> (u64, usize) {
-    let src = BufReader::new(Generated {
-        lines,
-        next: 0,
-        pending: Vec::new(),
-        at: 0,
-    });
+    let src = BufReader::new(Generated { lines, next: 0, pending: Vec::new(), at: 0 });
     let reader = TraceReader::new(
         src,
         "generated.jsonl",
-        TraceOptions {
-            format: Some(TraceFormat::Mooncake),
-            speedup: 1.0,
-        },
+        TraceOptions { format: Some(TraceFormat::Mooncake), speedup: 1.0 },
     )
     .expect("valid options");
     let base = LIVE.load(Ordering::Relaxed);
@@ -92,14 +84,9 @@ fn peak_while_reading(lines: u64) -> (u64, usize) {
 fn memory_is_flat_in_trace_length() {
     let (n_small, peak_small) = peak_while_reading(2_000);
     let (n_large, peak_large) = peak_while_reading(60_000);
-    eprintln!(
-        "peak extra heap: {peak_small} B for {n_small} lines, {peak_large} B for {n_large} lines"
-    );
+    eprintln!("peak extra heap: {peak_small} B for {n_small} lines, {peak_large} B for {n_large} lines");
     assert_eq!((n_small, n_large), (2_000, 60_000));
     // One line of this trace is ~200 B; 60k lines would be ~12 MB if retained.
     assert!(peak_large < 64 * 1024, "peak {peak_large} B");
-    assert!(
-        peak_large <= peak_small + 4096,
-        "grew with length: {peak_small} → {peak_large}"
-    );
+    assert!(peak_large <= peak_small + 4096, "grew with length: {peak_small} → {peak_large}");
 }

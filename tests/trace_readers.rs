@@ -10,9 +10,7 @@ use std::io::{Cursor, Read};
 use std::path::{Path, PathBuf};
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures/traces")
-        .join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/traces").join(name)
 }
 
 fn read_all(path: &Path, options: TraceOptions) -> Result<Vec<TraceRequest>, TraceError> {
@@ -21,18 +19,11 @@ fn read_all(path: &Path, options: TraceOptions) -> Result<Vec<TraceRequest>, Tra
 
 /// Reads inline text as `inline.jsonl` (or `.csv`) and returns the first error's Display.
 fn inline_error(text: &str, format: TraceFormat) -> String {
-    let name = if format == TraceFormat::Mooncake {
-        "inline.jsonl"
-    } else {
-        "inline.csv"
-    };
+    let name = if format == TraceFormat::Mooncake { "inline.jsonl" } else { "inline.csv" };
     let reader = TraceReader::new(
         Cursor::new(text.to_owned()),
         name,
-        TraceOptions {
-            format: Some(format),
-            speedup: 1.0,
-        },
+        TraceOptions { format: Some(format), speedup: 1.0 },
     )
     .expect("valid options");
     match reader.collect::<Result<Vec<_>, _>>() {
@@ -59,12 +50,7 @@ fn mooncake_fixture_reads_like_the_source_lines() {
         assert_eq!(r.arrival_ms, v["timestamp"].as_f64().unwrap());
         assert_eq!(r.input_tokens as u64, v["input_length"].as_u64().unwrap());
         assert_eq!(r.output_tokens as u64, v["output_length"].as_u64().unwrap());
-        let ids: Vec<u64> = v["hash_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap())
-            .collect();
+        let ids: Vec<u64> = v["hash_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
         assert_eq!(r.hash_ids.as_deref(), Some(ids.as_slice()));
         assert_eq!(r.session_id, None);
         assert_eq!(r.delay_ms, None);
@@ -95,30 +81,17 @@ fn aliases_sessions_extra_fields_and_blank_lines() {
 
 #[test]
 fn speedup_divides_arrivals_and_delays() {
-    let opts = TraceOptions {
-        format: None,
-        speedup: 4.0,
-    };
+    let opts = TraceOptions { format: None, speedup: 4.0 };
     let reqs = read_all(&fixture("aliases.jsonl"), opts).unwrap();
     assert_eq!(reqs[1].arrival_ms, 500.5 / 4.0);
     assert_eq!(reqs[1].delay_ms, Some(62.5));
     assert_eq!(reqs[2].arrival_ms, 750.0);
     assert_eq!(reqs[2].arrival_ns(), 750_000_000);
     for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-        let e = TraceReader::open(
-            fixture("aliases.jsonl"),
-            TraceOptions {
-                format: None,
-                speedup: bad,
-            },
-        )
-        .err()
-        .unwrap();
-        assert!(
-            e.to_string()
-                .contains("speedup ratio must be a finite number > 0"),
-            "{e}"
-        );
+        let e = TraceReader::open(fixture("aliases.jsonl"), TraceOptions { format: None, speedup: bad })
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("speedup ratio must be a finite number > 0"), "{e}");
         assert_eq!(e.line, 0);
     }
 }
@@ -129,9 +102,7 @@ fn azure_csv_is_relative_to_the_first_row_with_unique_prompts() {
     assert_eq!(reqs.len(), 8);
     let ms: Vec<f64> = reqs.iter().map(|r| r.arrival_ms).collect();
     // 18:15:46.6805900 is the origin.
-    let expect = [
-        0.0, 4314.579, 4319.41, 4569.41, 6442.8667, 6442.8667, 11319.4101, 14819.41,
-    ];
+    let expect = [0.0, 4314.579, 4319.41, 4569.41, 6442.8667, 6442.8667, 11319.4101, 14819.41];
     for (got, want) in ms.iter().zip(expect) {
         assert!((got - want).abs() < 1e-6, "{got} vs {want}");
     }
@@ -157,60 +128,34 @@ fn formats_detected_from_extension_and_content() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("trace");
     std::fs::copy(fixture("azure-sample.csv"), &p).unwrap();
-    assert_eq!(
-        TraceReader::open(&p, TraceOptions::default())
-            .unwrap()
-            .format(),
-        TraceFormat::AzureCsv
-    );
+    assert_eq!(TraceReader::open(&p, TraceOptions::default()).unwrap().format(), TraceFormat::AzureCsv);
     std::fs::copy(fixture("aliases.jsonl"), &p).unwrap();
     let r = TraceReader::open(&p, TraceOptions::default()).unwrap();
     assert_eq!(r.format(), TraceFormat::Mooncake);
     assert_eq!(r.count(), 3, "sniffing must not consume the first line");
     std::fs::write(&p, "hello,world\n").unwrap();
-    let e = TraceReader::open(&p, TraceOptions::default())
-        .err()
-        .unwrap();
-    assert!(
-        e.to_string()
-            .starts_with(&format!("{}: cannot tell the trace format", p.display())),
-        "{e}"
-    );
+    let e = TraceReader::open(&p, TraceOptions::default()).err().unwrap();
+    assert!(e.to_string().starts_with(&format!("{}: cannot tell the trace format", p.display())), "{e}");
     // An explicit format wins over the extension.
     let e = TraceReader::open(
         fixture("aliases.jsonl"),
-        TraceOptions {
-            format: Some(TraceFormat::AzureCsv),
-            speedup: 1.0,
-        },
+        TraceOptions { format: Some(TraceFormat::AzureCsv), speedup: 1.0 },
     )
     .unwrap()
     .next()
     .unwrap()
     .unwrap_err();
     assert_eq!(e.line, 1);
-    assert!(
-        e.reason.contains("CSV header lacks column `TIMESTAMP`"),
-        "{e}"
-    );
+    assert!(e.reason.contains("CSV header lacks column `TIMESTAMP`"), "{e}");
     assert_eq!("mooncake".parse::<TraceFormat>(), Ok(TraceFormat::Mooncake));
-    assert_eq!(
-        "azure-csv".parse::<TraceFormat>(),
-        Ok(TraceFormat::AzureCsv)
-    );
+    assert_eq!("azure-csv".parse::<TraceFormat>(), Ok(TraceFormat::AzureCsv));
     assert!("parquet".parse::<TraceFormat>().is_err());
 }
 
 #[test]
 fn missing_file_names_the_file() {
-    let e = TraceReader::open("/nonexistent/t.jsonl", TraceOptions::default())
-        .err()
-        .unwrap();
-    assert!(
-        e.to_string()
-            .starts_with("/nonexistent/t.jsonl: cannot open:"),
-        "{e}"
-    );
+    let e = TraceReader::open("/nonexistent/t.jsonl", TraceOptions::default()).err().unwrap();
+    assert!(e.to_string().starts_with("/nonexistent/t.jsonl: cannot open:"), "{e}");
 }
 
 #[test]
@@ -226,18 +171,14 @@ fn malformed_fixtures_name_file_and_line() {
         let e = read_all(&path, TraceOptions::default()).unwrap_err();
         let shown = e.to_string();
         let prefix = format!("{}:{line}: {reason}", path.display());
-        assert!(
-            shown.starts_with(&prefix),
-            "{name}:\n got  {shown}\n want {prefix}…"
-        );
+        assert!(shown.starts_with(&prefix), "{name}:\n got  {shown}\n want {prefix}…");
         assert_eq!((e.line, e.path.as_path()), (line, path.as_path()));
     }
 }
 
 #[test]
 fn requests_before_the_bad_line_are_yielded_then_the_stream_ends() {
-    let mut r =
-        TraceReader::open(fixture("malformed-json.jsonl"), TraceOptions::default()).unwrap();
+    let mut r = TraceReader::open(fixture("malformed-json.jsonl"), TraceOptions::default()).unwrap();
     assert_eq!(r.next().unwrap().unwrap().line, 1);
     assert_eq!(r.next().unwrap().unwrap().line, 2);
     assert_eq!(r.next().unwrap().unwrap_err().line, 4);
@@ -295,14 +236,8 @@ fn every_bad_field_gives_an_exact_reason() {
             r#"{"timestamp": 0, "created_time": 1, "input_length": 4, "output_length": 1}"#,
             "inline.jsonl:1: bad JSON: duplicate field `timestamp`",
         ),
-        (
-            r#"[1, 2]"#,
-            "inline.jsonl:1: bad JSON: expected one JSON object per line",
-        ),
-        (
-            r#"{"timestamp": 0,"#,
-            "inline.jsonl:1: bad JSON: EOF while parsing",
-        ),
+        (r#"[1, 2]"#, "inline.jsonl:1: bad JSON: expected one JSON object per line"),
+        (r#"{"timestamp": 0,"#, "inline.jsonl:1: bad JSON: EOF while parsing"),
         (
             "\n\n{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [-1]}",
             "inline.jsonl:3: bad JSON: invalid value: integer `-1`",
@@ -310,10 +245,7 @@ fn every_bad_field_gives_an_exact_reason() {
     ];
     for (text, want) in cases {
         let got = mooncake_error(text);
-        assert!(
-            got.starts_with(want),
-            "input {text}\n got  {got}\n want {want}…"
-        );
+        assert!(got.starts_with(want), "input {text}\n got  {got}\n want {want}…");
     }
 }
 
@@ -329,14 +261,8 @@ fn azure_bad_rows_give_exact_reasons() {
             format!("{h}2023-11-16 18:15:46.1,5\n"),
             "inline.csv:2: row has 2 columns, missing `GeneratedTokens`",
         ),
-        (
-            format!("{h}2023-11-16 18:15:46.1,0,3\n"),
-            "inline.csv:2: input length must be > 0",
-        ),
-        (
-            format!("{h}2023-11-16 18:15:46.1,5,3\n2023-11-16 18:15:45.9,5,3\n"),
-            "inline.csv:3: timestamp",
-        ),
+        (format!("{h}2023-11-16 18:15:46.1,0,3\n"), "inline.csv:2: input length must be > 0"),
+        (format!("{h}2023-11-16 18:15:46.1,5,3\n2023-11-16 18:15:45.9,5,3\n"), "inline.csv:3: timestamp"),
         (
             "TIME,ContextTokens,GeneratedTokens\n".to_owned(),
             "inline.csv:1: CSV header lacks column `TIMESTAMP`",
@@ -345,20 +271,14 @@ fn azure_bad_rows_give_exact_reasons() {
     ];
     for (text, want) in cases {
         let got = inline_error(text, TraceFormat::AzureCsv);
-        assert!(
-            got.starts_with(want),
-            "input {text:?}\n got  {got}\n want {want}…"
-        );
+        assert!(got.starts_with(want), "input {text:?}\n got  {got}\n want {want}…");
     }
     // Columns in another order, another case, with an extra column.
     let text = "id,generatedtokens,timestamp,contexttokens\n1,7,2023-11-16 18:15:46.5,300\n2,8,2023-11-16 18:15:47,301\n";
     let r: Vec<_> = TraceReader::new(
         Cursor::new(text),
         "x.csv",
-        TraceOptions {
-            format: Some(TraceFormat::AzureCsv),
-            speedup: 2.0,
-        },
+        TraceOptions { format: Some(TraceFormat::AzureCsv), speedup: 2.0 },
     )
     .unwrap()
     .collect::<Result<_, _>>()
@@ -375,41 +295,25 @@ fn conversion_to_engine_requests() {
     assert_eq!(a.input_tokens, reqs[0].input_tokens);
     assert_eq!(a.trace_block_size, TRACE_BLOCK_SIZE);
     assert_eq!(&a.trace_blocks[..], reqs[0].hash_ids.as_deref().unwrap());
-    assert_eq!(
-        reqs[5].to_request().arrival_ns,
-        (reqs[5].arrival_ms * 1e6) as u64
-    );
+    assert_eq!(reqs[5].to_request().arrival_ns, (reqs[5].arrival_ms * 1e6) as u64);
     // Requests 0 and 1 share hash id 0 (the first 512 tokens): equal first engine blocks.
     let b = reqs[1].to_request();
     let (ha, hb) = (a.prompt_block_hashes(64), b.prompt_block_hashes(64));
     assert_eq!(ha[..8], hb[..8]);
     assert_ne!(ha[8], hb[8]);
     // Without hash ids: a unique prompt with the same id.
-    let unique = TraceRequest {
-        hash_ids: None,
-        ..reqs[0].clone()
-    }
-    .to_request();
-    assert_eq!(
-        unique,
-        Request::unique(RequestId(0), a.input_tokens, a.output_tokens, a.arrival_ns)
-    );
+    let unique = TraceRequest { hash_ids: None, ..reqs[0].clone() }.to_request();
+    assert_eq!(unique, Request::unique(RequestId(0), a.input_tokens, a.output_tokens, a.arrival_ns));
 }
 
 /// The full public trace, streamed. Skipped (with a note) where `../shared` is absent.
 #[test]
 fn full_mooncake_conversation_trace_streams() {
-    let path = std::env::var_os("HANDOFF_MOONCAKE_TRACE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../shared/traces/mooncake/conversation_trace.jsonl")
-        });
+    let path = std::env::var_os("HANDOFF_MOONCAKE_TRACE").map(PathBuf::from).unwrap_or_else(|| {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces/mooncake/conversation_trace.jsonl")
+    });
     if !path.exists() {
-        eprintln!(
-            "skipping: {} not found (set HANDOFF_MOONCAKE_TRACE)",
-            path.display()
-        );
+        eprintln!("skipping: {} not found (set HANDOFF_MOONCAKE_TRACE)", path.display());
         return;
     }
     let started = std::time::Instant::now();
@@ -427,27 +331,17 @@ fn full_mooncake_conversation_trace_streams() {
     eprintln!("full trace: {n} requests in {elapsed:?}, last arrival {last} ms");
     assert_eq!(n, 12031);
     let mean_input = input as f64 / n as f64;
-    assert!(
-        (mean_input - 12035.06).abs() < 0.01,
-        "mean input {mean_input}"
-    );
+    assert!((mean_input - 12035.06).abs() < 0.01, "mean input {mean_input}");
     assert!((output as f64 / n as f64 - 343.0).abs() < 1.0);
     // About 59 minutes.
-    assert!(
-        (last / 60_000.0 - 59.0).abs() < 1.0,
-        "last arrival {last} ms"
-    );
+    assert!((last / 60_000.0 - 59.0).abs() < 1.0, "last arrival {last} ms");
 }
 
 #[test]
 fn json_errors_give_the_column_not_a_confusing_inner_line() {
-    let got = mooncake_error(
-        r#"{"timestamp": 0, "input_length": 600, "output_length": 10, "hash_ids": [1, "x"]}"#,
-    );
-    assert_eq!(
-        got,
-        "inline.jsonl:1: bad JSON: invalid type: string \"x\", expected u64 (column 78)"
-    );
+    let got =
+        mooncake_error(r#"{"timestamp": 0, "input_length": 600, "output_length": 10, "hash_ids": [1, "x"]}"#);
+    assert_eq!(got, "inline.jsonl:1: bad JSON: invalid type: string \"x\", expected u64 (column 78)");
 }
 
 #[test]
@@ -463,10 +357,7 @@ fn crlf_line_ends_and_a_byte_order_mark_are_accepted() {
         .unwrap()
         .collect::<Result<_, _>>()
         .unwrap();
-    assert_eq!(
-        (r.len(), r[0].input_tokens, r[0].output_tokens),
-        (1, 300, 7)
-    );
+    assert_eq!((r.len(), r[0].input_tokens, r[0].output_tokens), (1, 300, 7));
 }
 
 #[test]
@@ -481,17 +372,11 @@ fn an_overlong_line_is_an_error_not_an_allocation() {
     let mut r = TraceReader::new(
         src,
         "big.jsonl",
-        TraceOptions {
-            format: Some(TraceFormat::Mooncake),
-            speedup: 1.0,
-        },
+        TraceOptions { format: Some(TraceFormat::Mooncake), speedup: 1.0 },
     )
     .unwrap();
     assert!(r.next().unwrap().is_ok());
     let e = r.next().unwrap().unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        format!("big.jsonl:2: line is longer than {MAX_LINE_BYTES} bytes")
-    );
+    assert_eq!(e.to_string(), format!("big.jsonl:2: line is longer than {MAX_LINE_BYTES} bytes"));
     assert!(r.next().is_none());
 }

@@ -24,40 +24,14 @@ const HANDOFFS: u8 = 8;
 
 #[derive(Clone, Debug)]
 enum Op {
-    Submit {
-        input: u32,
-        output: u32,
-        trace: Vec<u64>,
-        reuse_id: bool,
-    },
-    SubmitHandoff {
-        h: u8,
-        input: u32,
-        trace: Vec<u64>,
-        lease_ms: u32,
-    },
-    Reserve {
-        h: u8,
-        input: u32,
-        output: u32,
-        trace: Vec<u64>,
-    },
-    Activate {
-        h: u8,
-    },
-    Release {
-        h: u8,
-        expired: bool,
-    },
-    CancelSource {
-        h: u8,
-    },
-    CancelDest {
-        h: u8,
-    },
-    Step {
-        idle_us: u32,
-    },
+    Submit { input: u32, output: u32, trace: Vec<u64>, reuse_id: bool },
+    SubmitHandoff { h: u8, input: u32, trace: Vec<u64>, lease_ms: u32 },
+    Reserve { h: u8, input: u32, output: u32, trace: Vec<u64> },
+    Activate { h: u8 },
+    Release { h: u8, expired: bool },
+    CancelSource { h: u8 },
+    CancelDest { h: u8 },
+    Step { idle_us: u32 },
 }
 
 fn trace() -> impl Strategy<Value = Vec<u64>> {
@@ -65,14 +39,8 @@ fn trace() -> impl Strategy<Value = Vec<u64>> {
 }
 
 fn op(handoffs: bool) -> BoxedStrategy<Op> {
-    let submit = (1u32..1200, 1u32..120, trace(), prop::bool::weighted(0.05)).prop_map(
-        |(input, output, trace, reuse_id)| Op::Submit {
-            input,
-            output,
-            trace,
-            reuse_id,
-        },
-    );
+    let submit = (1u32..1200, 1u32..120, trace(), prop::bool::weighted(0.05))
+        .prop_map(|(input, output, trace, reuse_id)| Op::Submit { input, output, trace, reuse_id });
     let step = (0u32..5000).prop_map(|idle_us| Op::Step { idle_us });
     if !handoffs {
         return prop_oneof![2 => submit, 5 => step].boxed();
@@ -103,19 +71,17 @@ fn config() -> impl Strategy<Value = VllmConfig> {
         any::<bool>(),
         1u32..4,
     )
-        .prop_map(
-            |(blocks, bs, seqs, batched, caching, chunked, pending)| VllmConfig {
-                num_gpu_blocks: blocks,
-                block_size: bs,
-                max_num_seqs: seqs,
-                max_num_batched_tokens: batched,
-                enable_prefix_caching: caching,
-                enable_chunked_prefill: chunked,
-                max_waiting_requests: 64,
-                max_pending_reservations: pending,
-                timing: PolynomialTiming::default(),
-            },
-        )
+        .prop_map(|(blocks, bs, seqs, batched, caching, chunked, pending)| VllmConfig {
+            num_gpu_blocks: blocks,
+            block_size: bs,
+            max_num_seqs: seqs,
+            max_num_batched_tokens: batched,
+            enable_prefix_caching: caching,
+            enable_chunked_prefill: chunked,
+            max_waiting_requests: 64,
+            max_pending_reservations: pending,
+            timing: PolynomialTiming::default(),
+        })
 }
 
 /// 160 cases by default (keeps the suite fast); `VLLM_PROP_CASES` for longer hunts.
@@ -124,10 +90,7 @@ fn cases() -> u32 {
 }
 
 fn seed() -> u64 {
-    let s = std::env::var("VLLM_PROP_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0x5eed_0003);
+    let s = std::env::var("VLLM_PROP_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(0x5eed_0003);
     eprintln!("vllm_props: proptest rng seed = {s} (set VLLM_PROP_SEED to change)");
     s
 }
@@ -139,28 +102,12 @@ fn run(cfg: VllmConfig, ops: &[Op]) -> Harness {
     for (i, o) in ops.iter().enumerate() {
         let what = format!("op {i}: {o:?}");
         match o.clone() {
-            Op::Submit {
-                input,
-                output,
-                trace,
-                reuse_id,
-            } => {
-                let id = if reuse_id && next_id > 1 {
-                    next_id - 1
-                } else {
-                    next_id
-                };
+            Op::Submit { input, output, trace, reuse_id } => {
+                let id = if reuse_id && next_id > 1 { next_id - 1 } else { next_id };
                 next_id += 1;
-                let _ = hx.run(&what, |c, now| {
-                    c.submit(req(id, input, output, &trace), now)
-                });
+                let _ = hx.run(&what, |c, now| c.submit(req(id, input, output, &trace), now));
             }
-            Op::SubmitHandoff {
-                h,
-                input,
-                trace,
-                lease_ms,
-            } => {
+            Op::SubmitHandoff { h, input, trace, lease_ms } => {
                 let id = next_id;
                 next_id += 1;
                 let lease = lease_ms as u64 * 1_000_000;
@@ -168,40 +115,23 @@ fn run(cfg: VllmConfig, ops: &[Op]) -> Harness {
                     c.submit_handoff_prefill(hid(h as u128), req(id, input, 1, &trace), lease, now)
                 });
             }
-            Op::Reserve {
-                h,
-                input,
-                output,
-                trace,
-            } => {
+            Op::Reserve { h, input, output, trace } => {
                 let id = next_id;
                 next_id += 1;
                 let _ = hx.run(&what, |c, now| {
-                    c.reserve_destination(
-                        hid(h as u128),
-                        req(id, input, output, &trace),
-                        now + 1,
-                        now,
-                    )
+                    c.reserve_destination(hid(h as u128), req(id, input, output, &trace), now + 1, now)
                 });
             }
             Op::Activate { h } => {
                 let _ = hx.run(&what, |c, now| c.activate_destination(hid(h as u128), now));
             }
             Op::Release { h, expired } => {
-                let reason = if expired {
-                    EndReason::Expired
-                } else {
-                    EndReason::Success
-                };
-                let _ = hx.run(&what, |c, now| {
-                    c.release_source(hid(h as u128), reason, now)
-                });
+                let reason = if expired { EndReason::Expired } else { EndReason::Success };
+                let _ = hx.run(&what, |c, now| c.release_source(hid(h as u128), reason, now));
             }
             Op::CancelSource { h } => {
-                let _ = hx.run(&what, |c, now| {
-                    c.cancel_source(hid(h as u128), CancelReason::RequestAborted, now)
-                });
+                let _ = hx
+                    .run(&what, |c, now| c.cancel_source(hid(h as u128), CancelReason::RequestAborted, now));
             }
             Op::CancelDest { h } => {
                 let _ = hx.run(&what, |c, now| {
@@ -215,12 +145,10 @@ fn run(cfg: VllmConfig, ops: &[Op]) -> Harness {
         }
     }
     for h in 0..HANDOFFS {
-        let _ = hx.run("teardown source", |c, now| {
-            c.cancel_source(hid(h as u128), CancelReason::Teardown, now)
-        });
-        let _ = hx.run("teardown dest", |c, now| {
-            c.cancel_destination(hid(h as u128), CancelReason::Teardown, now)
-        });
+        let _ =
+            hx.run("teardown source", |c, now| c.cancel_source(hid(h as u128), CancelReason::Teardown, now));
+        let _ = hx
+            .run("teardown dest", |c, now| c.cancel_destination(hid(h as u128), CancelReason::Teardown, now));
     }
     hx.step_until(50_000, |h| h.core.is_drained());
     if std::env::var("VLLM_PROP_STATS").is_ok() {
@@ -236,10 +164,7 @@ fn run(cfg: VllmConfig, ops: &[Op]) -> Harness {
             "SourceReleased",
             "ReservationReleased",
         ];
-        let counts: Vec<_> = names
-            .iter()
-            .map(|n| format!("{n}={}", hx.count(n)))
-            .collect();
+        let counts: Vec<_> = names.iter().map(|n| format!("{n}={}", hx.count(n))).collect();
         eprintln!("STATS {}", counts.join(" "));
     }
     hx
@@ -258,11 +183,7 @@ fn check_lifecycles(hx: &Harness) {
         match f {
             Fact::SourcePinned { lease, .. } => leases.entry(lease.0).or_default().0 += 1,
             Fact::SourceReleased { lease, .. } => leases.entry(lease.0).or_default().1 += 1,
-            Fact::DestinationReserved {
-                reservation,
-                handoff,
-                ..
-            } => {
+            Fact::DestinationReserved { reservation, handoff, .. } => {
                 reservations.entry(reservation.0).or_default().0 += 1;
                 if pending.remove(handoff) {
                     left_queue += 1;
@@ -290,16 +211,9 @@ fn check_lifecycles(hx: &Harness) {
     for (r, (a, b)) in &reservations {
         assert_eq!((*a, *b), (1, 1), "reservation {r} reserved/ended");
     }
-    assert_eq!(
-        queued, left_queue,
-        "every queued reservation left the FIFO once"
-    );
+    assert_eq!(queued, left_queue, "every queued reservation left the FIFO once");
     // Request ids are unique per op except deliberate reuse, which the core refuses while live.
-    let outputs_finished = hx
-        .outputs
-        .iter()
-        .filter(|o| matches!(o, EngineOutput::Finished { .. }))
-        .count();
+    let outputs_finished = hx.outputs.iter().filter(|o| matches!(o, EngineOutput::Finished { .. })).count();
     assert_eq!(outputs_finished, ended.values().sum::<u32>() as usize);
 }
 
@@ -307,12 +221,7 @@ fn check_drained(hx: &Harness) {
     let s = hx.core.snapshot();
     assert!(hx.core.is_drained());
     assert_eq!(
-        (
-            s.active_blocks,
-            s.pinned_source_blocks,
-            s.reserved_destination_blocks,
-            s.request_slots_used
-        ),
+        (s.active_blocks, s.pinned_source_blocks, s.reserved_destination_blocks, s.request_slots_used),
         (0, 0, 0, 0)
     );
     assert_eq!(s.cached_free_blocks + s.free_blocks, s.total_blocks);

@@ -125,7 +125,10 @@ fn scenario1_stranded_source_then_reserve_activate_release() {
     });
     assert_eq!(fin, Some((TerminalStatus::Completed, 50)));
     assert_eq!(
-        d.log.iter().filter(|f| matches!(f, Fact::FirstTokenEmitted { request } if *request == RequestId(100))).count(),
+        d.log
+            .iter()
+            .filter(|f| matches!(f, Fact::FirstTokenEmitted { request } if *request == RequestId(100)))
+            .count(),
         1,
         "the decode worker emits the user's first token"
     );
@@ -535,19 +538,24 @@ fn activation_of_a_single_token_request_finishes_after_one_decode_step() {
     assert!(matches!(d.core.activate_destination(hid(1), 0).outcome, Err(CommandError::UnknownHandoff(_))));
 }
 
-/// Liveness: activated destinations holding the whole pool while waiting must not deadlock the
-/// head of the queue (each needs one more block for its first decode).
+/// Liveness: activated destinations holding nearly the whole pool while waiting must not
+/// deadlock the head of the queue (each needs one more block as it decodes). Reservations leave
+/// one block per admitted request, so a third one waits.
 #[test]
 fn waiting_requests_holding_all_kv_still_drain() {
-    let mut d = Harness::new(small(8, 16));
+    let mut d = Harness::new(small(9, 16));
     for i in 0..2u64 {
         let h = hid(i as u128);
         d.run("reserve", |c, now| c.reserve_destination(h, req(i, 64, 10, &[50 + i]), 0, now)).unwrap();
         d.run("activate", |c, now| c.activate_destination(h, now)).unwrap();
     }
     let s = d.core.snapshot();
-    assert_eq!((s.active_blocks, s.free_blocks + s.cached_free_blocks), (8, 0));
+    assert_eq!((s.active_blocks, s.free_blocks + s.cached_free_blocks), (8, 1));
     assert_eq!(d.core.view().waiting, 2);
+    let r = d.core.reserve_destination(hid(9), req(9, 16, 10, &[59]), 0, d.now_ns);
+    assert_eq!(d.cmd(r, "third"), Ok(CommandOutcome::Unavailable), "the last block is kept for growth");
+    let r = d.core.cancel_destination(hid(9), CancelReason::RequestAborted, d.now_ns);
+    assert_eq!(d.cmd(r, "cancel third"), Ok(CommandOutcome::Applied));
     d.step_until(200, |d| d.core.is_drained());
     assert_eq!(d.count("RequestFinished"), 2);
     assert!(d.count("RequestPreempted") >= 1, "the forced admission was preempted to free KV");

@@ -34,9 +34,7 @@ pub mod run;
 pub mod writer;
 
 pub use error::LogError;
-pub use fact::{
-    BlockHash, Fact, KvDelta, MessageKind, MessageRejection, RejectReason, TerminalStatus,
-};
+pub use fact::{BlockHash, Fact, KvDelta, MessageKind, MessageRejection, RejectReason, TerminalStatus};
 pub use frame::{TornTail, MAX_HEADER_BYTES, MAX_RECORD_BYTES};
 pub use reader::{recover, verify_stream, StreamReader, StreamSummary};
 pub use run::{
@@ -70,12 +68,7 @@ pub struct EngineShape {
 impl EngineShape {
     /// The router stream has no engine.
     pub fn none() -> Self {
-        EngineShape {
-            total_blocks: 0,
-            block_size: 0,
-            max_request_slots: 0,
-            config_json: String::new(),
-        }
+        EngineShape { total_blocks: 0, block_size: 0, max_request_slots: 0, config_json: String::new() }
     }
 }
 

@@ -36,9 +36,7 @@ use super::codec;
 use super::error::LogError;
 use super::frame::{self, FrameReader, TornTail, FRAME_PREFIX_BYTES, MAX_RECORD_BYTES};
 use super::reader::{fixed8, truncate, StreamReader};
-use super::writer::{
-    StreamWriter, FILE_BUFFER_BYTES, RUN_STREAM_BUFFER_BYTES, STREAM_RECORD_FIXED_BYTES,
-};
+use super::writer::{StreamWriter, FILE_BUFFER_BYTES, RUN_STREAM_BUFFER_BYTES, STREAM_RECORD_FIXED_BYTES};
 use super::{Fact, Record, StreamHeader, MAGIC};
 use crate::ids::{HandoffId, WorkerId};
 use std::cmp::{Ordering, Reverse};
@@ -166,11 +164,7 @@ impl RunReader {
         Ok(Self::from_streams(path, RunKind::Stream, vec![reader]))
     }
 
-    fn from_streams(
-        path: &Path,
-        kind: RunKind,
-        readers: Vec<StreamReader<BufReader<File>>>,
-    ) -> Self {
+    fn from_streams(path: &Path, kind: RunKind, readers: Vec<StreamReader<BufReader<File>>>) -> Self {
         let headers = readers.iter().map(|r| r.header().clone()).collect();
         let stream_paths = readers.iter().map(|r| r.path().to_path_buf()).collect();
         let refill = (0..readers.len()).collect();
@@ -377,10 +371,9 @@ impl RunReader {
     /// Torn tails found so far, with the file each is in (complete once `next` returned `None`).
     pub fn torn_tails(&self) -> Vec<(PathBuf, TornTail)> {
         match &self.source {
-            Source::Streams { readers, .. } => readers
-                .iter()
-                .filter_map(|r| r.torn_tail().map(|t| (r.path().to_path_buf(), t)))
-                .collect(),
+            Source::Streams { readers, .. } => {
+                readers.iter().filter_map(|r| r.torn_tail().map(|t| (r.path().to_path_buf(), t))).collect()
+            }
             Source::Merged { frames, .. } => {
                 frames.torn_tail().map(|t| (self.path.clone(), t)).into_iter().collect()
             }
@@ -422,12 +415,7 @@ pub fn verify_run(path: impl AsRef<Path>) -> Result<RunSummary, LogError> {
     let mut streams: Vec<RunStreamSummary> = run
         .headers()
         .iter()
-        .map(|h| RunStreamSummary {
-            header: h.clone(),
-            records: 0,
-            first_at_ns: None,
-            last_at_ns: None,
-        })
+        .map(|h| RunStreamSummary { header: h.clone(), records: 0, first_at_ns: None, last_at_ns: None })
         .collect();
     let mut handoffs = BTreeSet::<HandoffId>::new();
     let mut records = 0;
@@ -501,11 +489,7 @@ pub fn write_merged(
     }
 }
 
-fn write_merged_to(
-    run_path: &Path,
-    tmp_path: &Path,
-    out_path: &Path,
-) -> Result<MergeSummary, LogError> {
+fn write_merged_to(run_path: &Path, tmp_path: &Path, out_path: &Path) -> Result<MergeSummary, LogError> {
     let mut run = RunReader::open(run_path)?;
     if run.headers().len() > u16::MAX as usize {
         return Err(LogError::TooManyStreams {
@@ -575,17 +559,11 @@ impl RunWriter {
         for entry in fs::read_dir(dir).map_err(|e| LogError::io(dir, e))? {
             let p = entry.map_err(|e| LogError::io(dir, e))?.path();
             if p.extension().and_then(|e| e.to_str()) == Some(STREAM_EXTENSION) {
-                return Err(LogError::RunExists {
-                    path: dir.into(),
-                    existing: p.display().to_string(),
-                });
+                return Err(LogError::RunExists { path: dir.into(), existing: p.display().to_string() });
             }
         }
-        let mut run = RunWriter {
-            dir: dir.to_path_buf(),
-            headers: BTreeMap::new(),
-            streams: BTreeMap::new(),
-        };
+        let mut run =
+            RunWriter { dir: dir.to_path_buf(), headers: BTreeMap::new(), streams: BTreeMap::new() };
         for h in headers {
             run.declare(h)?;
         }
@@ -627,10 +605,7 @@ impl RunWriter {
     }
 
     /// `worker`'s stream, creating its file on first use.
-    pub fn stream(
-        &mut self,
-        worker: WorkerId,
-    ) -> Result<&mut StreamWriter<BufWriter<File>>, LogError> {
+    pub fn stream(&mut self, worker: WorkerId) -> Result<&mut StreamWriter<BufWriter<File>>, LogError> {
         use std::collections::btree_map::Entry;
         match self.streams.entry(worker) {
             Entry::Occupied(e) => Ok(e.into_mut()),

@@ -45,11 +45,7 @@ impl<W: Write> StreamWriter<W> {
     }
 
     /// Like [`StreamWriter::new`], naming the stream in errors.
-    pub fn new_named(
-        inner: W,
-        header: &StreamHeader,
-        name: impl Into<PathBuf>,
-    ) -> Result<Self, LogError> {
+    pub fn new_named(inner: W, header: &StreamHeader, name: impl Into<PathBuf>) -> Result<Self, LogError> {
         let name = name.into();
         let mut scratch = Vec::with_capacity(256);
         frame::write_prelude(&mut scratch, &MAGIC, FORMAT_VERSION);
@@ -78,8 +74,7 @@ impl<W: Write> StreamWriter<W> {
         s.extend_from_slice(&[0u8; FRAME_PREFIX_BYTES]);
         s.extend_from_slice(&seq.to_le_bytes());
         s.extend_from_slice(&at_ns.to_le_bytes());
-        codec::encode_into(fact, s)
-            .map_err(|reason| LogError::Encode { path: self.name.clone(), reason })?;
+        codec::encode_into(fact, s).map_err(|reason| LogError::Encode { path: self.name.clone(), reason })?;
         let len = s.len() - FRAME_PREFIX_BYTES;
         if len > MAX_RECORD_BYTES {
             return Err(LogError::RecordTooLarge {
@@ -176,8 +171,7 @@ impl StreamWriter<BufWriter<File>> {
         let mut file = OpenOptions::new().read(true).write(true).open(path).map_err(io)?;
         let (header, next_seq, end, torn) = {
             let clone = file.try_clone().map_err(io)?;
-            let mut reader =
-                StreamReader::new(BufReader::with_capacity(FILE_BUFFER_BYTES, clone), path)?;
+            let mut reader = StreamReader::new(BufReader::with_capacity(FILE_BUFFER_BYTES, clone), path)?;
             while reader.next_record()?.is_some() {}
             (reader.header().clone(), reader.next_seq(), reader.offset(), reader.torn_tail())
         };

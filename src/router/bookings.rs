@@ -41,15 +41,9 @@ impl WorkerLoad {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum BookingError {
     #[error("{request} already has a prefill booking on {worker}")]
-    PrefillAlreadyBooked {
-        request: RequestId,
-        worker: WorkerId,
-    },
+    PrefillAlreadyBooked { request: RequestId, worker: WorkerId },
     #[error("{request} already has a decode booking on {worker}")]
-    DecodeAlreadyBooked {
-        request: RequestId,
-        worker: WorkerId,
-    },
+    DecodeAlreadyBooked { request: RequestId, worker: WorkerId },
     #[error("{worker} is not one of this router's workers")]
     UnknownWorker { worker: WorkerId },
 }
@@ -89,11 +83,7 @@ impl BookingLedger {
 
     /// Every worker with a non-zero load, in worker order.
     pub fn loads(&self) -> BTreeMap<WorkerId, WorkerLoad> {
-        self.loads
-            .iter()
-            .filter(|(_, l)| !l.is_zero())
-            .map(|(w, l)| (*w, *l))
-            .collect()
+        self.loads.iter().filter(|(_, l)| !l.is_zero()).map(|(w, l)| (*w, *l)).collect()
     }
 
     /// Requests holding a prefill booking / a decode booking.
@@ -127,29 +117,13 @@ impl BookingLedger {
         blocks: u32,
     ) -> Result<Fact, BookingError> {
         if let Some(b) = self.prefill.get(&request) {
-            return Err(BookingError::PrefillAlreadyBooked {
-                request,
-                worker: b.worker,
-            });
+            return Err(BookingError::PrefillAlreadyBooked { request, worker: b.worker });
         }
-        self.prefill.insert(
-            request,
-            PrefillBooking {
-                worker,
-                prefill_tokens,
-                blocks,
-                compute_done: false,
-            },
-        );
+        self.prefill.insert(request, PrefillBooking { worker, prefill_tokens, blocks, compute_done: false });
         let l = self.load_mut(worker);
         l.active_prefill_tokens += u64::from(prefill_tokens);
         l.prefill_blocks += u64::from(blocks);
-        Ok(Fact::PrefillBooked {
-            request,
-            worker,
-            prefill_tokens,
-            blocks,
-        })
+        Ok(Fact::PrefillBooked { request, worker, prefill_tokens, blocks })
     }
 
     pub fn prefill_compute_done(&mut self, request: RequestId) -> Option<Fact> {
@@ -172,10 +146,7 @@ impl BookingLedger {
         }
         l.prefill_blocks -= u64::from(b.blocks);
         self.drop_zero(b.worker);
-        Some(Fact::PrefillBookingFreed {
-            request,
-            worker: b.worker,
-        })
+        Some(Fact::PrefillBookingFreed { request, worker: b.worker })
     }
 
     pub fn book_decode(
@@ -185,30 +156,18 @@ impl BookingLedger {
         blocks: u32,
     ) -> Result<Fact, BookingError> {
         if let Some(b) = self.decode.get(&request) {
-            return Err(BookingError::DecodeAlreadyBooked {
-                request,
-                worker: b.worker,
-            });
+            return Err(BookingError::DecodeAlreadyBooked { request, worker: b.worker });
         }
-        self.decode
-            .insert(request, DecodeBooking { worker, blocks });
+        self.decode.insert(request, DecodeBooking { worker, blocks });
         self.load_mut(worker).decode_blocks += u64::from(blocks);
-        Ok(Fact::DecodeBooked {
-            request,
-            worker,
-            blocks,
-        })
+        Ok(Fact::DecodeBooked { request, worker, blocks })
     }
 
     pub fn free_decode(&mut self, request: RequestId, status: TerminalStatus) -> Option<Fact> {
         let b = self.decode.remove(&request)?;
         self.load_mut(b.worker).decode_blocks -= u64::from(b.blocks);
         self.drop_zero(b.worker);
-        Some(Fact::DecodeBookingFreed {
-            request,
-            worker: b.worker,
-            status,
-        })
+        Some(Fact::DecodeBookingFreed { request, worker: b.worker, status })
     }
 }
 
@@ -241,17 +200,11 @@ impl RouterFold {
     pub fn apply(&mut self, fact: &Fact) -> Result<(), RouterFoldViolation> {
         let bad = |m: String| Err(RouterFoldViolation(m));
         match fact {
-            Fact::PrefillBooked {
-                request,
-                worker,
-                prefill_tokens,
-                blocks,
-            } => {
+            Fact::PrefillBooked { request, worker, prefill_tokens, blocks } => {
                 if self.prefill.contains_key(request) {
                     return bad(format!("{request}: prefill booked twice"));
                 }
-                self.prefill
-                    .insert(*request, (*worker, *prefill_tokens, *blocks, false));
+                self.prefill.insert(*request, (*worker, *prefill_tokens, *blocks, false));
             }
             Fact::PrefillComputeDone { request, worker } => match self.prefill.get_mut(request) {
                 Some((w, _, _, done)) if w == worker => {
@@ -262,41 +215,27 @@ impl RouterFold {
                 }
                 _ => {
                     return bad(format!(
-                    "{request}: compute done on {worker}, which holds no prefill booking for it"
-                ))
+                        "{request}: compute done on {worker}, which holds no prefill booking for it"
+                    ))
                 }
             },
             Fact::PrefillBookingFreed { request, worker } => match self.prefill.get(request) {
                 Some((w, ..)) if w == worker => {
                     self.prefill.remove(request);
                 }
-                _ => {
-                    return bad(format!(
-                        "{request}: prefill booking freed on {worker}, which holds none"
-                    ))
-                }
+                _ => return bad(format!("{request}: prefill booking freed on {worker}, which holds none")),
             },
-            Fact::DecodeBooked {
-                request,
-                worker,
-                blocks,
-            } => {
+            Fact::DecodeBooked { request, worker, blocks } => {
                 if self.decode.contains_key(request) {
                     return bad(format!("{request}: decode booked twice"));
                 }
                 self.decode.insert(*request, (*worker, *blocks));
             }
-            Fact::DecodeBookingFreed {
-                request, worker, ..
-            } => match self.decode.get(request) {
+            Fact::DecodeBookingFreed { request, worker, .. } => match self.decode.get(request) {
                 Some((w, _)) if w == worker => {
                     self.decode.remove(request);
                 }
-                _ => {
-                    return bad(format!(
-                        "{request}: decode booking freed on {worker}, which holds none"
-                    ))
-                }
+                _ => return bad(format!("{request}: decode booking freed on {worker}, which holds none")),
             },
             _ => {}
         }

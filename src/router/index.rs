@@ -239,33 +239,20 @@ impl KvIndex {
     /// Whether `worker` holds `hash`.
     pub fn holds(&self, worker: WorkerId, hash: BlockHash) -> bool {
         match self.slot_of.get(&worker) {
-            Some(&s) if s < MASK_SLOTS => self
-                .holders
-                .get(&hash)
-                .is_some_and(|m| m & (1u64 << s) != 0),
-            Some(s) => self
-                .overflow
-                .get(&hash)
-                .is_some_and(|v| v.binary_search(s).is_ok()),
+            Some(&s) if s < MASK_SLOTS => self.holders.get(&hash).is_some_and(|m| m & (1u64 << s) != 0),
+            Some(s) => self.overflow.get(&hash).is_some_and(|v| v.binary_search(s).is_ok()),
             None => false,
         }
     }
 
     /// Blocks `worker` holds.
     pub fn blocks_on(&self, worker: WorkerId) -> usize {
-        self.slot_of
-            .get(&worker)
-            .map_or(0, |&s| self.counts[s as usize])
+        self.slot_of.get(&worker).map_or(0, |&s| self.counts[s as usize])
     }
 
     /// Distinct hashes held by anyone.
     pub fn distinct_hashes(&self) -> usize {
-        self.holders.len()
-            + self
-                .overflow
-                .keys()
-                .filter(|h| !self.holders.contains_key(h))
-                .count()
+        self.holders.len() + self.overflow.keys().filter(|h| !self.holders.contains_key(h)).count()
     }
 
     /// (hash, worker) pairs stored: the index's size.

@@ -132,10 +132,7 @@ impl Router {
     /// mode does not use the index, are ignored.
     pub fn observe(&mut self, worker: WorkerId, fact: &Fact) {
         if self.uses_index()
-            && matches!(
-                fact,
-                Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared
-            )
+            && matches!(fact, Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared)
             && self.workers.binary_search(&worker).is_ok()
         {
             self.index.apply(worker, fact);
@@ -166,10 +163,7 @@ impl Router {
     pub fn select_with_hashes(&mut self, input_tokens: u32, hashes: &[BlockHash]) -> Selection {
         let n = self.workers.len();
         let booked = |r: &Router, w: WorkerId| r.ledger.load(w).booked_blocks() as f64;
-        let plain = |worker| Selection {
-            worker,
-            overlap_blocks: 0,
-        };
+        let plain = |worker| Selection { worker, overlap_blocks: 0 };
         match &self.mode {
             RouterMode::RoundRobin => {
                 let w = self.workers[self.next_round_robin % n];
@@ -193,17 +187,10 @@ impl Router {
                 let (wa, wb) = (self.workers[a], self.workers[b]);
                 let (la, lb) = (booked(self, wa), booked(self, wb));
                 // Ties go to the lower id, whichever was drawn first.
-                let pick = if la < lb || (la == lb && wa < wb) {
-                    wa
-                } else {
-                    wb
-                };
+                let pick = if la < lb || (la == lb && wa < wb) { wa } else { wb };
                 plain(pick)
             }
-            RouterMode::KvAware {
-                overlap_weight,
-                temperature,
-            } => {
+            RouterMode::KvAware { overlap_weight, temperature } => {
                 let (weight, temperature) = (*overlap_weight, *temperature);
                 let overlap = self.index.overlap(hashes);
                 let costs = self.kv_costs(input_tokens, &overlap, weight);
@@ -213,10 +200,7 @@ impl Router {
                     select::lowest_cost(costs.iter().copied())
                 }
                 .unwrap_or(self.workers[0]);
-                Selection {
-                    worker,
-                    overlap_blocks: overlap.get(&worker).copied().unwrap_or(0),
-                }
+                Selection { worker, overlap_blocks: overlap.get(&worker).copied().unwrap_or(0) }
             }
         }
     }
@@ -235,17 +219,13 @@ impl Router {
             .map(|w| {
                 let cached = overlap.get(w).copied().unwrap_or(0).min(blocks);
                 let uncached = f64::from(blocks - cached);
-                (
-                    *w,
-                    weight * uncached + self.ledger.load(*w).booked_blocks() as f64,
-                )
+                (*w, weight * uncached + self.ledger.load(*w).booked_blocks() as f64)
             })
             .collect()
     }
 
     fn least_by(&self, cost: impl Fn(&Router, WorkerId) -> f64) -> WorkerId {
-        select::lowest_cost(self.workers.iter().map(|w| (*w, cost(self, *w))))
-            .unwrap_or(self.workers[0])
+        select::lowest_cost(self.workers.iter().map(|w| (*w, cost(self, *w)))).unwrap_or(self.workers[0])
     }
 
     fn check_worker(&self, worker: WorkerId) -> Result<(), BookingError> {
@@ -265,8 +245,7 @@ impl Router {
         blocks: u32,
     ) -> Result<Fact, BookingError> {
         self.check_worker(worker)?;
-        self.ledger
-            .book_prefill(request, worker, prefill_tokens, blocks)
+        self.ledger.book_prefill(request, worker, prefill_tokens, blocks)
     }
 
     /// Prefill compute finished: the compute load drops, the block booking stays.

@@ -20,10 +20,7 @@ pub enum RouterMode {
     /// Lowest cost = `overlap_weight` × uncached prompt blocks + booked blocks; temperature 0
     /// takes the minimum (ties to the lowest worker id), > 0 samples softmax(−cost / T).
     #[serde(rename = "kv")]
-    KvAware {
-        overlap_weight: f64,
-        temperature: f64,
-    },
+    KvAware { overlap_weight: f64, temperature: f64 },
     /// Fewest booked blocks; ties to the lowest worker id.
     LeastLoaded,
     /// Two distinct workers at random (seeded); the one with fewer booked blocks, ties to the
@@ -57,10 +54,7 @@ impl TryFrom<RawRouterMode> for RouterMode {
         let mut mode: RouterMode = raw.mode.parse()?;
         let stray = |field: &str| Err(format!("router mode `{}` takes no `{field}`", raw.mode));
         match &mut mode {
-            RouterMode::KvAware {
-                overlap_weight,
-                temperature,
-            } => {
+            RouterMode::KvAware { overlap_weight, temperature } => {
                 if raw.weights.is_some() {
                     return stray("weights");
                 }
@@ -95,10 +89,7 @@ impl TryFrom<RawRouterMode> for RouterMode {
 impl RouterMode {
     /// The KV-aware mode with the reference's defaults (weight 1.0, temperature 0).
     pub fn kv() -> Self {
-        RouterMode::KvAware {
-            overlap_weight: 1.0,
-            temperature: 0.0,
-        }
+        RouterMode::KvAware { overlap_weight: 1.0, temperature: 0.0 }
     }
 
     /// The CLI name.
@@ -116,19 +107,14 @@ impl RouterMode {
     /// Checks the parameters against a router of `workers` workers.
     pub fn validate(&self, workers: usize) -> Result<(), String> {
         match self {
-            RouterMode::KvAware {
-                overlap_weight,
-                temperature,
-            } => {
+            RouterMode::KvAware { overlap_weight, temperature } => {
                 if !(overlap_weight.is_finite() && *overlap_weight >= 0.0) {
                     return Err(format!(
                         "kv router: overlap_weight must be finite and >= 0, got {overlap_weight}"
                     ));
                 }
                 if !(temperature.is_finite() && *temperature >= 0.0) {
-                    return Err(format!(
-                        "kv router: temperature must be finite and >= 0, got {temperature}"
-                    ));
+                    return Err(format!("kv router: temperature must be finite and >= 0, got {temperature}"));
                 }
             }
             RouterMode::DeviceAware { weights } => {
@@ -139,9 +125,7 @@ impl RouterMode {
                     ));
                 }
                 if let Some(w) = weights.iter().find(|w| !(w.is_finite() && **w > 0.0)) {
-                    return Err(format!(
-                        "device-aware router: weights must be finite and > 0, got {w}"
-                    ));
+                    return Err(format!("device-aware router: weights must be finite and > 0, got {w}"));
                 }
             }
             _ => {}
@@ -190,16 +174,9 @@ pub fn lowest_cost(costs: impl IntoIterator<Item = (WorkerId, f64)>) -> Option<W
 
 /// Samples a worker with probability ∝ exp(−(cost − min cost) / temperature). Shifting by the
 /// minimum keeps the best worker's weight at 1, so nothing underflows to an all-zero sum.
-pub fn softmax_pick(
-    costs: &[(WorkerId, f64)],
-    temperature: f64,
-    rng: &mut ChaCha8Rng,
-) -> Option<WorkerId> {
+pub fn softmax_pick(costs: &[(WorkerId, f64)], temperature: f64, rng: &mut ChaCha8Rng) -> Option<WorkerId> {
     let min = costs.iter().map(|(_, c)| *c).min_by(f64::total_cmp)?;
-    let weights: Vec<f64> = costs
-        .iter()
-        .map(|(_, c)| (-(c - min) / temperature).exp())
-        .collect();
+    let weights: Vec<f64> = costs.iter().map(|(_, c)| (-(c - min) / temperature).exp()).collect();
     let total: f64 = weights.iter().sum();
     let mut r = rng.random::<f64>() * total;
     for ((w, _), p) in costs.iter().zip(&weights) {

@@ -3,8 +3,7 @@
 #![allow(dead_code)]
 
 use handoff_ledger::events::{
-    EngineShape, Fact, KvDelta, MessageKind, MessageRejection, RejectReason, StreamHeader,
-    TerminalStatus,
+    EngineShape, Fact, KvDelta, MessageKind, MessageRejection, RejectReason, StreamHeader, TerminalStatus,
 };
 use handoff_ledger::ids::{
     Backend, CancelReason, ClockDomain, DestinationReservationId, EndReason, Generation, HandoffId,
@@ -85,19 +84,10 @@ pub fn reservation() -> impl Strategy<Value = DestinationReservationId> {
     any::<u64>().prop_map(DestinationReservationId)
 }
 pub fn role() -> impl Strategy<Value = Role> {
-    prop_oneof![
-        Just(Role::Prefill),
-        Just(Role::Decode),
-        Just(Role::Aggregated),
-        Just(Role::Router)
-    ]
+    prop_oneof![Just(Role::Prefill), Just(Role::Decode), Just(Role::Aggregated), Just(Role::Router)]
 }
 pub fn worker() -> impl Strategy<Value = WorkerId> {
-    (role(), any::<u32>(), any::<u32>()).prop_map(|(role, index, dp_rank)| WorkerId {
-        role,
-        index,
-        dp_rank,
-    })
+    (role(), any::<u32>(), any::<u32>()).prop_map(|(role, index, dp_rank)| WorkerId { role, index, dp_rank })
 }
 pub fn kv() -> impl Strategy<Value = KvDelta> {
     (any::<[i32; 7]>()).prop_map(|a| KvDelta {
@@ -157,11 +147,7 @@ pub fn cancel() -> impl Strategy<Value = CancelReason> {
     ]
 }
 pub fn end() -> impl Strategy<Value = EndReason> {
-    prop_oneof![
-        Just(EndReason::Success),
-        Just(EndReason::Expired),
-        cancel().prop_map(EndReason::Canceled),
-    ]
+    prop_oneof![Just(EndReason::Success), Just(EndReason::Expired), cancel().prop_map(EndReason::Canceled),]
 }
 pub fn policy() -> impl Strategy<Value = HandoffPolicy> {
     prop_oneof![
@@ -171,10 +157,8 @@ pub fn policy() -> impl Strategy<Value = HandoffPolicy> {
     ]
 }
 pub fn demand() -> impl Strategy<Value = KvHandoffDemand> {
-    (any::<u32>(), any::<u32>()).prop_map(|(context_tokens, max_output_tokens)| KvHandoffDemand {
-        context_tokens,
-        max_output_tokens,
-    })
+    (any::<u32>(), any::<u32>())
+        .prop_map(|(context_tokens, max_output_tokens)| KvHandoffDemand { context_tokens, max_output_tokens })
 }
 pub fn hashes() -> impl Strategy<Value = Vec<u64>> {
     prop::collection::vec(any::<u64>(), 0..24)
@@ -185,33 +169,17 @@ pub fn fact() -> impl Strategy<Value = Fact> {
     use Fact::*;
     prop_oneof![
         generation().prop_map(|generation| SessionStarted { generation }),
-        (request(), any::<u32>(), any::<u32>()).prop_map(
-            |(request, input_tokens, output_tokens)| {
-                RequestArrived {
-                    request,
-                    input_tokens,
-                    output_tokens,
-                }
-            }
-        ),
-        request().prop_map(|request| RequestQueued { request }),
-        (request(), any::<u32>(), kv()).prop_map(|(request, cached_tokens, kv)| {
-            RequestScheduled {
-                request,
-                cached_tokens,
-                kv,
-            }
+        (request(), any::<u32>(), any::<u32>()).prop_map(|(request, input_tokens, output_tokens)| {
+            RequestArrived { request, input_tokens, output_tokens }
         }),
+        request().prop_map(|request| RequestQueued { request }),
+        (request(), any::<u32>(), kv())
+            .prop_map(|(request, cached_tokens, kv)| { RequestScheduled { request, cached_tokens, kv } }),
         request().prop_map(|request| FirstTokenEmitted { request }),
         (request(), kv()).prop_map(|(request, kv)| RequestPreempted { request, kv }),
-        (request(), status(), any::<u32>(), kv()).prop_map(
-            |(request, status, output_tokens, kv)| RequestFinished {
-                request,
-                status,
-                output_tokens,
-                kv
-            }
-        ),
+        (request(), status(), any::<u32>(), kv()).prop_map(|(request, status, output_tokens, kv)| {
+            RequestFinished { request, status, output_tokens, kv }
+        }),
         (request(), reject()).prop_map(|(request, reason)| RequestRejected { request, reason }),
         (any::<u32>(), any::<u32>(), any::<u32>(), any::<u64>(), kv()).prop_map(
             |(prefill_tokens, decode_tokens, batch_size, duration_ns, kv)| StepExecuted {
@@ -226,63 +194,32 @@ pub fn fact() -> impl Strategy<Value = Fact> {
         (any::<Option<u64>>(), hashes()).prop_map(|(parent, blocks)| KvStored { parent, blocks }),
         hashes().prop_map(|blocks| KvRemoved { blocks }),
         Just(KvCleared),
-        (handoff(), request(), policy(), demand()).prop_map(
-            |(handoff, request, policy, demand)| HandoffStarted {
+        (handoff(), request(), policy(), demand()).prop_map(|(handoff, request, policy, demand)| {
+            HandoffStarted { handoff, request, policy, demand }
+        }),
+        handoff().prop_map(|handoff| PrefillDispatched { handoff }),
+        (handoff(), request(), lease(), any::<u32>(), any::<u64>(), kv()).prop_map(
+            |(handoff, request, lease, blocks, deadline_ns, kv)| SourcePinned {
                 handoff,
                 request,
-                policy,
-                demand
+                lease,
+                blocks,
+                deadline_ns,
+                kv
             }
         ),
-        handoff().prop_map(|handoff| PrefillDispatched { handoff }),
-        (
-            handoff(),
-            request(),
-            lease(),
-            any::<u32>(),
-            any::<u64>(),
-            kv()
-        )
-            .prop_map(
-                |(handoff, request, lease, blocks, deadline_ns, kv)| SourcePinned {
-                    handoff,
-                    request,
-                    lease,
-                    blocks,
-                    deadline_ns,
-                    kv
-                }
-            ),
-        (handoff(), lease(), any::<u64>()).prop_map(|(handoff, lease, deadline_ns)| {
-            LeaseRenewed {
-                handoff,
-                lease,
-                deadline_ns,
-            }
-        }),
+        (handoff(), lease(), any::<u64>())
+            .prop_map(|(handoff, lease, deadline_ns)| { LeaseRenewed { handoff, lease, deadline_ns } }),
         (handoff(), lease()).prop_map(|(handoff, lease)| LeaseExpired { handoff, lease }),
         handoff().prop_map(|handoff| ReaderCompleted { handoff }),
-        (handoff(), lease(), end(), kv()).prop_map(|(handoff, lease, reason, kv)| {
-            SourceReleased {
-                handoff,
-                lease,
-                reason,
-                kv,
-            }
-        }),
+        (handoff(), lease(), end(), kv())
+            .prop_map(|(handoff, lease, reason, kv)| { SourceReleased { handoff, lease, reason, kv } }),
         (handoff(), worker()).prop_map(|(handoff, worker)| DestinationRouted { handoff, worker }),
         handoff().prop_map(|handoff| ReservationQueued { handoff }),
         (handoff(), reject()).prop_map(|(handoff, reason)| ReservationRefused { handoff, reason }),
         (handoff(), cancel()).prop_map(|(handoff, reason)| ReservationDequeued { handoff, reason }),
-        (
-            handoff(),
-            request(),
-            reservation(),
-            any::<[u32; 3]>(),
-            any::<u64>(),
-            kv()
-        )
-            .prop_map(|(handoff, request, reservation, p, deadline_ns, kv)| {
+        (handoff(), request(), reservation(), any::<[u32; 3]>(), any::<u64>(), kv()).prop_map(
+            |(handoff, request, reservation, p, deadline_ns, kv)| {
                 DestinationReserved {
                     handoff,
                     request,
@@ -293,54 +230,28 @@ pub fn fact() -> impl Strategy<Value = Fact> {
                     deadline_ns,
                     kv,
                 }
-            }),
+            }
+        ),
         (handoff(), worker(), any::<u64>()).prop_map(|(handoff, from, bytes)| ReceiveStarted {
             handoff,
             from,
             bytes
         }),
         handoff().prop_map(|handoff| ReceiveCompleted { handoff }),
-        (handoff(), reservation(), kv()).prop_map(|(handoff, reservation, kv)| {
-            DestinationActivated {
-                handoff,
-                reservation,
-                kv,
-            }
-        }),
-        (handoff(), reservation()).prop_map(|(handoff, reservation)| ReservationExpired {
-            handoff,
-            reservation
-        }),
+        (handoff(), reservation(), kv())
+            .prop_map(|(handoff, reservation, kv)| { DestinationActivated { handoff, reservation, kv } }),
+        (handoff(), reservation())
+            .prop_map(|(handoff, reservation)| ReservationExpired { handoff, reservation }),
         (handoff(), reservation(), end(), kv()).prop_map(|(handoff, reservation, reason, kv)| {
-            ReservationReleased {
-                handoff,
-                reservation,
-                reason,
-                kv,
-            }
+            ReservationReleased { handoff, reservation, reason, kv }
         }),
         (handoff(), cancel()).prop_map(|(handoff, reason)| HandoffCanceled { handoff, reason }),
-        (handoff(), kind(), worker()).prop_map(|(handoff, kind, to)| MessageSent {
-            handoff,
-            kind,
-            to
+        (handoff(), kind(), worker()).prop_map(|(handoff, kind, to)| MessageSent { handoff, kind, to }),
+        (handoff(), kind(), worker(), generation()).prop_map(|(handoff, kind, from, generation)| {
+            MessageReceived { handoff, kind, from, generation }
         }),
-        (handoff(), kind(), worker(), generation()).prop_map(
-            |(handoff, kind, from, generation)| MessageReceived {
-                handoff,
-                kind,
-                from,
-                generation
-            }
-        ),
         (handoff(), kind(), worker(), generation(), rejection()).prop_map(
-            |(handoff, kind, from, generation, why)| MessageRejected {
-                handoff,
-                kind,
-                from,
-                generation,
-                why
-            }
+            |(handoff, kind, from, generation, why)| MessageRejected { handoff, kind, from, generation, why }
         ),
         (request(), worker(), any::<u32>(), any::<u32>()).prop_map(
             |(request, worker, prefill_tokens, blocks)| PrefillBooked {
@@ -357,13 +268,8 @@ pub fn fact() -> impl Strategy<Value = Fact> {
             worker,
             blocks
         }),
-        (request(), worker(), status()).prop_map(|(request, worker, status)| {
-            DecodeBookingFreed {
-                request,
-                worker,
-                status,
-            }
-        }),
+        (request(), worker(), status())
+            .prop_map(|(request, worker, status)| { DecodeBookingFreed { request, worker, status } }),
     ]
 }
 
@@ -395,33 +301,27 @@ pub fn any_header() -> impl Strategy<Value = StreamHeader> {
     (
         any::<u128>(),
         worker(),
-        prop_oneof![
-            Just(Backend::Vllm),
-            Just(Backend::Sglang),
-            Just(Backend::TrtLlm)
-        ],
+        prop_oneof![Just(Backend::Vllm), Just(Backend::Sglang), Just(Backend::TrtLlm)],
         policy(),
         prop_oneof![Just(ClockDomain::Virtual), Just(ClockDomain::Wall)],
         any::<u64>(),
         any::<[u32; 3]>(),
         ".{0,40}",
     )
-        .prop_map(
-            |(run, worker, backend, policy, clock, seed, e, config_json)| StreamHeader {
-                run_id: Uuid::from_u128(run),
-                worker,
-                backend,
-                policy,
-                clock,
-                seed,
-                engine: EngineShape {
-                    total_blocks: e[0],
-                    block_size: e[1],
-                    max_request_slots: e[2],
-                    config_json,
-                },
+        .prop_map(|(run, worker, backend, policy, clock, seed, e, config_json)| StreamHeader {
+            run_id: Uuid::from_u128(run),
+            worker,
+            backend,
+            policy,
+            clock,
+            seed,
+            engine: EngineShape {
+                total_blocks: e[0],
+                block_size: e[1],
+                max_request_slots: e[2],
+                config_json,
             },
-        )
+        })
 }
 
 pub fn h(n: u128) -> HandoffId {
@@ -444,11 +344,7 @@ fn kvd(a: [i32; 7]) -> KvDelta {
 pub fn golden_header() -> StreamHeader {
     StreamHeader {
         run_id: Uuid::from_u128(0x6f6c_6467_0000_4000_8000_0000_0000_0001),
-        worker: WorkerId {
-            role: Role::Prefill,
-            index: 0,
-            dp_rank: 1,
-        },
+        worker: WorkerId { role: Role::Prefill, index: 0, dp_rank: 1 },
         backend: Backend::Sglang,
         policy: HandoffPolicy::DestinationFirst,
         clock: ClockDomain::Wall,
@@ -467,45 +363,16 @@ pub fn golden_header() -> StreamHeader {
 pub fn golden_facts() -> Vec<(u64, Fact)> {
     use Fact::*;
     let d = WorkerId::decode(1);
-    let p = WorkerId {
-        role: Role::Prefill,
-        index: 0,
-        dp_rank: 1,
-    };
+    let p = WorkerId { role: Role::Prefill, index: 0, dp_rank: 1 };
     let r = RequestId(7);
     let big = u64::MAX - 1;
     vec![
-        (
-            0,
-            SessionStarted {
-                generation: Generation(3),
-            },
-        ),
-        (
-            10,
-            RequestArrived {
-                request: r,
-                input_tokens: 1024,
-                output_tokens: 128,
-            },
-        ),
+        (0, SessionStarted { generation: Generation(3) }),
+        (10, RequestArrived { request: r, input_tokens: 1024, output_tokens: 128 }),
         (20, RequestQueued { request: r }),
-        (
-            30,
-            RequestScheduled {
-                request: r,
-                cached_tokens: 256,
-                kv: kvd([48, 0, 0, -16, -32, 1, 0]),
-            },
-        ),
+        (30, RequestScheduled { request: r, cached_tokens: 256, kv: kvd([48, 0, 0, -16, -32, 1, 0]) }),
         (40, FirstTokenEmitted { request: r }),
-        (
-            50,
-            RequestPreempted {
-                request: RequestId(8),
-                kv: kvd([-5, 0, 0, 5, 0, -1, 0]),
-            },
-        ),
+        (50, RequestPreempted { request: RequestId(8), kv: kvd([-5, 0, 0, 5, 0, -1, 0]) }),
         (
             60,
             RequestFinished {
@@ -515,13 +382,7 @@ pub fn golden_facts() -> Vec<(u64, Fact)> {
                 kv: kvd([-3, 0, 0, 2, 1, -1, 0]),
             },
         ),
-        (
-            70,
-            RequestRejected {
-                request: RequestId(10),
-                reason: RejectReason::NeverFits,
-            },
-        ),
+        (70, RequestRejected { request: RequestId(10), reason: RejectReason::NeverFits }),
         (
             80,
             StepExecuted {
@@ -532,26 +393,9 @@ pub fn golden_facts() -> Vec<(u64, Fact)> {
                 kv: kvd([2, 0, 0, 0, -2, 0, 0]),
             },
         ),
-        (
-            90,
-            KvEvicted {
-                kv: kvd([0, 0, 0, -4, 4, 0, 0]),
-            },
-        ),
-        (
-            100,
-            KvStored {
-                parent: None,
-                blocks: vec![1, 2, u64::MAX],
-            },
-        ),
-        (
-            101,
-            KvStored {
-                parent: Some(0xABCD_EF01_2345_6789),
-                blocks: vec![],
-            },
-        ),
+        (90, KvEvicted { kv: kvd([0, 0, 0, -4, 4, 0, 0]) }),
+        (100, KvStored { parent: None, blocks: vec![1, 2, u64::MAX] }),
+        (101, KvStored { parent: Some(0xABCD_EF01_2345_6789), blocks: vec![] }),
         (110, KvRemoved { blocks: vec![2, 3] }),
         (120, KvCleared),
         (
@@ -560,10 +404,7 @@ pub fn golden_facts() -> Vec<(u64, Fact)> {
                 handoff: h(1),
                 request: r,
                 policy: HandoffPolicy::DestinationFirst,
-                demand: KvHandoffDemand {
-                    context_tokens: 1024,
-                    max_output_tokens: 128,
-                },
+                demand: KvHandoffDemand { context_tokens: 1024, max_output_tokens: 128 },
             },
         ),
         (140, PrefillDispatched { handoff: h(1) }),
@@ -578,21 +419,8 @@ pub fn golden_facts() -> Vec<(u64, Fact)> {
                 kv: kvd([-64, 64, 0, 0, 0, 0, 0]),
             },
         ),
-        (
-            160,
-            LeaseRenewed {
-                handoff: h(1),
-                lease: SourceLeaseId(11),
-                deadline_ns: big,
-            },
-        ),
-        (
-            170,
-            LeaseExpired {
-                handoff: h(2),
-                lease: SourceLeaseId(12),
-            },
-        ),
+        (160, LeaseRenewed { handoff: h(1), lease: SourceLeaseId(11), deadline_ns: big }),
+        (170, LeaseExpired { handoff: h(2), lease: SourceLeaseId(12) }),
         (180, ReaderCompleted { handoff: h(1) }),
         (
             190,
@@ -612,28 +440,10 @@ pub fn golden_facts() -> Vec<(u64, Fact)> {
                 kv: kvd([0, -8, 0, 0, 8, 0, 0]),
             },
         ),
-        (
-            200,
-            DestinationRouted {
-                handoff: h(3),
-                worker: d,
-            },
-        ),
+        (200, DestinationRouted { handoff: h(3), worker: d }),
         (210, ReservationQueued { handoff: h(3) }),
-        (
-            220,
-            ReservationRefused {
-                handoff: h(3),
-                reason: RejectReason::NoCapacity,
-            },
-        ),
-        (
-            230,
-            ReservationDequeued {
-                handoff: h(4),
-                reason: CancelReason::RequestAborted,
-            },
-        ),
+        (220, ReservationRefused { handoff: h(3), reason: RejectReason::NoCapacity }),
+        (230, ReservationDequeued { handoff: h(4), reason: CancelReason::RequestAborted }),
         (
             240,
             DestinationReserved {
@@ -647,14 +457,7 @@ pub fn golden_facts() -> Vec<(u64, Fact)> {
                 kv: kvd([0, 0, 40, 0, -40, 1, 128]),
             },
         ),
-        (
-            250,
-            ReceiveStarted {
-                handoff: h(3),
-                from: p,
-                bytes: 1 << 33,
-            },
-        ),
+        (250, ReceiveStarted { handoff: h(3), from: p, bytes: 1 << 33 }),
         (260, ReceiveCompleted { handoff: h(3) }),
         (
             270,
@@ -664,13 +467,7 @@ pub fn golden_facts() -> Vec<(u64, Fact)> {
                 kv: kvd([40, 0, -40, 0, 0, 0, -128]),
             },
         ),
-        (
-            280,
-            ReservationExpired {
-                handoff: h(5),
-                reservation: DestinationReservationId(22),
-            },
-        ),
+        (280, ReservationExpired { handoff: h(5), reservation: DestinationReservationId(22) }),
         (
             290,
             ReservationReleased {
@@ -680,21 +477,8 @@ pub fn golden_facts() -> Vec<(u64, Fact)> {
                 kv: kvd([0, 0, -10, 0, 10, -1, -64]),
             },
         ),
-        (
-            300,
-            HandoffCanceled {
-                handoff: h(6),
-                reason: CancelReason::Teardown,
-            },
-        ),
-        (
-            310,
-            MessageSent {
-                handoff: h(1),
-                kind: MessageKind::SourceReady,
-                to: d,
-            },
-        ),
+        (300, HandoffCanceled { handoff: h(6), reason: CancelReason::Teardown }),
+        (310, MessageSent { handoff: h(1), kind: MessageKind::SourceReady, to: d }),
         (
             320,
             MessageReceived {
@@ -714,44 +498,10 @@ pub fn golden_facts() -> Vec<(u64, Fact)> {
                 why: MessageRejection::StaleGeneration,
             },
         ),
-        (
-            340,
-            PrefillBooked {
-                request: r,
-                worker: p,
-                prefill_tokens: 768,
-                blocks: 64,
-            },
-        ),
-        (
-            350,
-            PrefillComputeDone {
-                request: r,
-                worker: p,
-            },
-        ),
-        (
-            360,
-            PrefillBookingFreed {
-                request: r,
-                worker: p,
-            },
-        ),
-        (
-            370,
-            DecodeBooked {
-                request: r,
-                worker: d,
-                blocks: 72,
-            },
-        ),
-        (
-            big,
-            DecodeBookingFreed {
-                request: r,
-                worker: d,
-                status: TerminalStatus::Completed,
-            },
-        ),
+        (340, PrefillBooked { request: r, worker: p, prefill_tokens: 768, blocks: 64 }),
+        (350, PrefillComputeDone { request: r, worker: p }),
+        (360, PrefillBookingFreed { request: r, worker: p }),
+        (370, DecodeBooked { request: r, worker: d, blocks: 72 }),
+        (big, DecodeBookingFreed { request: r, worker: d, status: TerminalStatus::Completed }),
     ]
 }

@@ -21,13 +21,7 @@ pub fn hid(n: u64) -> HandoffId {
 pub fn req(id: u64, input: u32, output: u32, family: u64, shared_blocks: u32) -> Request {
     let n = input.div_ceil(TBS).max(1);
     let blocks: Vec<u64> = (0..n)
-        .map(|i| {
-            if i < shared_blocks {
-                family * 1000 + i as u64
-            } else {
-                (id + 1) * 1_000_000 + i as u64
-            }
-        })
+        .map(|i| if i < shared_blocks { family * 1000 + i as u64 } else { (id + 1) * 1_000_000 + i as u64 })
         .collect();
     Request {
         id: RequestId(id),
@@ -80,44 +74,21 @@ impl Checked {
         self.calls += 1;
         for f in &eff.facts {
             let d = f.kv_delta();
-            assert_eq!(
-                d.block_sum(),
-                0,
-                "call {}: fact {f:?} does not conserve blocks",
-                self.calls
-            );
-            self.cap.apply_fact(f).unwrap_or_else(|e| {
-                panic!("call {}: capacity fold refused {f:?}: {e}", self.calls)
-            });
-            self.sched.apply(f).unwrap_or_else(|e| {
-                panic!("call {}: scheduler fold refused {f:?}: {e}", self.calls)
-            });
+            assert_eq!(d.block_sum(), 0, "call {}: fact {f:?} does not conserve blocks", self.calls);
+            self.cap
+                .apply_fact(f)
+                .unwrap_or_else(|e| panic!("call {}: capacity fold refused {f:?}: {e}", self.calls));
+            self.sched
+                .apply(f)
+                .unwrap_or_else(|e| panic!("call {}: scheduler fold refused {f:?}: {e}", self.calls));
             self.check_fact_shape(f);
             self.facts.push(f.clone());
         }
         let snap = self.core.snapshot();
-        assert_eq!(
-            self.cap, snap,
-            "call {}: fold of facts != snapshot",
-            self.calls
-        );
-        assert_eq!(
-            self.core.audit(),
-            snap,
-            "call {}: audit != snapshot",
-            self.calls
-        );
-        assert!(
-            snap.is_conserved(),
-            "call {}: not conserved {snap:?}",
-            self.calls
-        );
-        assert_eq!(
-            self.sched.view(),
-            self.core.view(),
-            "call {}: scheduler fold != view",
-            self.calls
-        );
+        assert_eq!(self.cap, snap, "call {}: fold of facts != snapshot", self.calls);
+        assert_eq!(self.core.audit(), snap, "call {}: audit != snapshot", self.calls);
+        assert!(snap.is_conserved(), "call {}: not conserved {snap:?}", self.calls);
+        assert_eq!(self.sched.view(), self.core.view(), "call {}: scheduler fold != view", self.calls);
     }
 
     /// What each lifecycle fact's delta must look like, whatever the interleaving.
@@ -125,10 +96,7 @@ impl Checked {
         let n = self.calls;
         match f {
             Fact::DestinationReserved { pages, kv, .. } => {
-                assert!(
-                    kv.reserved_destination >= *pages as i32,
-                    "call {n}: delta pages not reserved {f:?}"
-                );
+                assert!(kv.reserved_destination >= *pages as i32, "call {n}: delta pages not reserved {f:?}");
                 assert_eq!(kv.slots, 1, "call {n}: {f:?}");
                 // A locked prefix page may move pinned → reserved (precedence), never out of active.
                 assert!(
@@ -152,25 +120,15 @@ impl Checked {
             }
             Fact::SourcePinned { kv, blocks, .. } => {
                 // Active pages move to pinned, or to reserved where a reservation shares them.
-                assert_eq!(
-                    kv.active,
-                    -(kv.pinned_source + kv.reserved_destination),
-                    "call {n}: {f:?}"
-                );
-                assert!(
-                    kv.pinned_source >= 0 && kv.reserved_destination >= 0,
-                    "call {n}: {f:?}"
-                );
+                assert_eq!(kv.active, -(kv.pinned_source + kv.reserved_destination), "call {n}: {f:?}");
+                assert!(kv.pinned_source >= 0 && kv.reserved_destination >= 0, "call {n}: {f:?}");
                 assert!(
                     kv.pinned_source as u32 <= *blocks && kv.slots == 0 && kv.free == 0,
                     "call {n}: {f:?}"
                 );
             }
             Fact::SourceReleased { kv, .. } => {
-                assert!(
-                    kv.pinned_source <= 0 && kv.slots == -1 && kv.active == 0,
-                    "call {n}: {f:?}"
-                );
+                assert!(kv.pinned_source <= 0 && kv.slots == -1 && kv.active == 0, "call {n}: {f:?}");
             }
             Fact::RequestPreempted { kv, .. } => {
                 assert!(kv.active <= 0 && kv.slots == -1, "call {n}: {f:?}");
@@ -193,9 +151,7 @@ impl Checked {
 
     /// Sum of deltas of the facts emitted so far (equals `cap − empty`).
     pub fn total_delta(&self) -> KvDelta {
-        self.facts
-            .iter()
-            .fold(KvDelta::ZERO, |a, f| a.plus(f.kv_delta()))
+        self.facts.iter().fold(KvDelta::ZERO, |a, f| a.plus(f.kv_delta()))
     }
 
     /// Per-handoff counts of lifecycle facts, by fact name.

@@ -62,27 +62,14 @@ impl Harness {
 
     pub fn check(&self, what: &str) {
         let snap = self.core.snapshot();
-        assert_eq!(
-            self.cap, snap,
-            "[{}] {what}: fold of facts != snapshot()",
-            self.label
-        );
+        assert_eq!(self.cap, snap, "[{}] {what}: fold of facts != snapshot()", self.label);
         match self.core.try_audit() {
             Ok(a) => assert_eq!(a, snap, "[{}] {what}: audit() != snapshot()", self.label),
             Err(e) => panic!("[{}] {what}: audit failed: {e}", self.label),
         }
         assert_eq!(self.core.audit(), snap);
-        assert_eq!(
-            self.fold.view(),
-            self.core.view(),
-            "[{}] {what}: view fold != view()",
-            self.label
-        );
-        assert!(
-            snap.is_conserved(),
-            "[{}] {what}: conservation broken {snap:?}",
-            self.label
-        );
+        assert_eq!(self.fold.view(), self.core.view(), "[{}] {what}: view fold != view()", self.label);
+        assert!(snap.is_conserved(), "[{}] {what}: conservation broken {snap:?}", self.label);
         assert_eq!(self.core.internal_error(), None, "[{}] {what}", self.label);
     }
 
@@ -118,11 +105,7 @@ impl Harness {
             }
             self.step();
         }
-        assert!(
-            done(self),
-            "[{}] condition not reached in {max} steps",
-            self.label
-        );
+        assert!(done(self), "[{}] condition not reached in {max} steps", self.label);
         max
     }
 
@@ -165,9 +148,5 @@ pub fn hid(n: u128) -> HandoffId {
 }
 
 pub fn small(blocks: u32, block_size: u32) -> VllmConfig {
-    VllmConfig {
-        num_gpu_blocks: blocks,
-        block_size,
-        ..VllmConfig::default()
-    }
+    VllmConfig { num_gpu_blocks: blocks, block_size, ..VllmConfig::default() }
 }

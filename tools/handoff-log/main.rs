@@ -96,10 +96,7 @@ pub struct CliError {
 
 impl CliError {
     pub fn new(code: u8, message: impl Into<String>) -> Self {
-        CliError {
-            code,
-            message: message.into(),
-        }
+        CliError { code, message: message.into() }
     }
 }
 
@@ -113,13 +110,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Verify { logs, json } => cmd_verify::run(&logs, json),
-        Command::Show {
-            log,
-            handoff,
-            worker,
-            limit,
-            json,
-        } => cmd_show::run(&log, handoff.as_deref(), worker.as_deref(), limit, json),
+        Command::Show { log, handoff, worker, limit, json } => {
+            cmd_show::run(&log, handoff.as_deref(), worker.as_deref(), limit, json)
+        }
         Command::Project { log, what, json } => cmd_project::run(&log, what, json),
         Command::Merge { run, out } => cmd_verify::merge(&run, &out),
         Command::Recover { run } => cmd_verify::recover(&run),

@@ -82,17 +82,9 @@ impl Default for ReplayConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("{path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
-    },
+    Read { path: String, source: std::io::Error },
     #[error("{path}: line {line}, column {column}: {message}")]
-    Parse {
-        path: String,
-        line: usize,
-        column: usize,
-        message: String,
-    },
+    Parse { path: String, line: usize, column: usize, message: String },
     #[error("invalid configuration: {0}")]
     Invalid(String),
 }
@@ -100,10 +92,8 @@ pub enum ConfigError {
 impl ReplayConfig {
     /// Reads a JSON configuration file; keys not given keep their defaults.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
         serde_json::from_str(&text).map_err(|e| ConfigError::Parse {
             path: path.display().to_string(),
             line: e.line(),
@@ -155,9 +145,7 @@ impl ReplayConfig {
                 ));
             }
             if self.effective_policy() == HandoffPolicy::Disabled {
-                return bad(
-                    "policy `disabled` applies to aggregated serving only; use --workers N".into(),
-                );
+                return bad("policy `disabled` applies to aggregated serving only; use --workers N".into());
             }
         } else if self.workers == 0 {
             return bad("no workers: give --workers N or --prefill N --decode M".into());
@@ -166,20 +154,14 @@ impl ReplayConfig {
             return bad("trtllm: destination reservation is not modeled yet (the proposal defers it); use vllm or sglang".into());
         }
         if !(self.arrival_speedup > 0.0 && self.arrival_speedup.is_finite()) {
-            return bad(format!(
-                "arrival_speedup must be a positive number, got {}",
-                self.arrival_speedup
-            ));
+            return bad(format!("arrival_speedup must be a positive number, got {}", self.arrival_speedup));
         }
         if self.lease_ms == 0 {
             return bad("lease_ms must be > 0".into());
         }
         if let Some(r) = self.lease_renew_ms {
             if r == 0 || r >= self.lease_ms {
-                return bad(format!(
-                    "lease_renew_ms ({r}) must be > 0 and < lease_ms ({})",
-                    self.lease_ms
-                ));
+                return bad(format!("lease_renew_ms ({r}) must be > 0 and < lease_ms ({})", self.lease_ms));
             }
         }
         if self.reservation_timeout_ms == 0 || self.bootstrap_timeout_ms == 0 {

@@ -31,9 +31,7 @@ use crate::lifecycle::destination::{
     DestinationAction, DestinationConfig, DestinationEvent, DestinationHandoff, DestinationInit,
 };
 use crate::lifecycle::messages::HandoffMessage;
-use crate::lifecycle::source::{
-    SourceAction, SourceConfig, SourceEvent, SourceHandoff, SourceInit,
-};
+use crate::lifecycle::source::{SourceAction, SourceConfig, SourceEvent, SourceHandoff, SourceInit};
 use crate::projections::metrics::{MetricsFold, MetricsReport, PerRequest};
 use crate::router::Router;
 use crate::schedulers::sglang::SglangCore;
@@ -66,16 +64,8 @@ pub enum ReplayError {
 #[derive(Clone, Debug)]
 enum Cmd {
     Submit(Request),
-    DispatchPrefill {
-        handoff: HandoffId,
-        request: Request,
-        lease_ns: u64,
-    },
-    Reserve {
-        handoff: HandoffId,
-        request: Request,
-        deadline_ns: u64,
-    },
+    DispatchPrefill { handoff: HandoffId, request: Request, lease_ns: u64 },
+    Reserve { handoff: HandoffId, request: Request, deadline_ns: u64 },
     Activate(HandoffId),
     ReleaseSource(HandoffId, EndReason),
     CancelSource(HandoffId, CancelReason),
@@ -86,13 +76,58 @@ enum Cmd {
 enum Ev {
     Arrival,
     StepDone(usize),
-    Command { slot: usize, cmd: Cmd },
-    Deliver { slot: usize, msg: HandoffMessage },
-    TransferDone { slot: usize, handoff: HandoffId },
-    LeaseTimer { slot: usize, handoff: HandoffId },
-    ReservationTimer { slot: usize, handoff: HandoffId },
-    RenewTimer { slot: usize, handoff: HandoffId },
-    BootstrapTimer { request: RequestId },
+    /// A core command; `then` are events that must wait until it is applied (messages that
+    /// follow it in the same transition: "receive completed" only once activation is done).
+    Command {
+        slot: usize,
+        cmd: Cmd,
+        then: Vec<Ev>,
+    },
+    Deliver {
+        slot: usize,
+        msg: HandoffMessage,
+    },
+    TransferDone {
+        slot: usize,
+        handoff: HandoffId,
+    },
+    LeaseTimer {
+        slot: usize,
+        handoff: HandoffId,
+    },
+    ReservationTimer {
+        slot: usize,
+        handoff: HandoffId,
+    },
+    RenewTimer {
+        slot: usize,
+        handoff: HandoffId,
+    },
+    BootstrapTimer {
+        request: RequestId,
+    },
+}
+
+/// One transition's actions as events, in order. A message that follows a core command in the
+/// same transition waits until that command is applied: the worker may be mid-step, and e.g.
+/// "receive completed" must not reach the source before the destination has activated.
+#[derive(Default)]
+struct Batch {
+    events: Vec<Ev>,
+}
+
+impl Batch {
+    fn command(&mut self, slot: usize, cmd: Cmd) {
+        self.events.push(Ev::Command { slot, cmd, then: Vec::new() });
+    }
+
+    fn message(&mut self, slot: usize, msg: HandoffMessage) {
+        let deliver = Ev::Deliver { slot, msg };
+        match self.events.iter_mut().rev().find(|e| matches!(e, Ev::Command { .. })) {
+            Some(Ev::Command { then, .. }) => then.push(deliver),
+            _ => self.events.push(deliver),
+        }
+    }
 }
 
 struct Queued {
@@ -124,7 +159,7 @@ struct Slot {
     /// A step is in flight; its effects wait in `pending` until `StepDone`.
     busy: bool,
     pending: Option<Effects>,
-    inbox: VecDeque<Cmd>,
+    inbox: VecDeque<(Cmd, Vec<Ev>)>,
     generation: Generation,
     sources: BTreeMap<HandoffId, SourceHandoff>,
     destinations: BTreeMap<HandoffId, DestinationHandoff>,
@@ -169,6 +204,8 @@ pub struct Replay<'a> {
     decode_router: Option<Router>,
     guards: BTreeMap<RequestId, Guard>,
     handoff_request: BTreeMap<HandoffId, RequestId>,
+    /// Handoffs whose source pin the core has reported and not yet released.
+    pinned: std::collections::BTreeSet<HandoffId>,
     transfer: TransferConfig,
     mint: IdMint,
     out: RunWriter,
@@ -191,9 +228,7 @@ impl<'a> Replay<'a> {
     ) -> Result<Self, ReplayError> {
         cfg.validate()?;
         let policy = cfg.effective_policy();
-        cfg.transfer
-            .validate()
-            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        cfg.transfer.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
         let transfer = cfg.transfer.clone();
         let mut mint = IdMint::from_seed(cfg.seed);
         let run_id = uuid::Uuid::from_u64_pair(mint.next_u64(), mint.next_u64());
@@ -250,32 +285,21 @@ impl<'a> Replay<'a> {
         metrics.add_stream(&router_header);
         headers.push(router_header);
         let out = RunWriter::create(out_dir, headers)?;
-        let (prefill_workers, decode_workers): (Vec<WorkerId>, Vec<WorkerId>) =
-            if cfg.is_disaggregated() {
-                workers.iter().partition(|w| w.role == Role::Prefill)
-            } else {
-                (workers.clone(), Vec::new())
-            };
-        let route_err =
-            |e: crate::router::RouterError| ConfigError::Invalid(format!("router: {e}"));
-        let prefill_router = Router::new(
-            prefill_workers,
-            cfg.prefill_router.clone(),
-            block_size,
-            mint.next_u64(),
-        )
-        .map_err(route_err)?;
+        let (prefill_workers, decode_workers): (Vec<WorkerId>, Vec<WorkerId>) = if cfg.is_disaggregated() {
+            workers.iter().partition(|w| w.role == Role::Prefill)
+        } else {
+            (workers.clone(), Vec::new())
+        };
+        let route_err = |e: crate::router::RouterError| ConfigError::Invalid(format!("router: {e}"));
+        let prefill_router =
+            Router::new(prefill_workers, cfg.prefill_router.clone(), block_size, mint.next_u64())
+                .map_err(route_err)?;
         let decode_router = if decode_workers.is_empty() {
             None
         } else {
             Some(
-                Router::new(
-                    decode_workers,
-                    cfg.decode_router.clone(),
-                    block_size,
-                    mint.next_u64(),
-                )
-                .map_err(route_err)?,
+                Router::new(decode_workers, cfg.decode_router.clone(), block_size, mint.next_u64())
+                    .map_err(route_err)?,
             )
         };
         let mut r = Replay {
@@ -289,6 +313,7 @@ impl<'a> Replay<'a> {
             decode_router,
             guards: BTreeMap::new(),
             handoff_request: BTreeMap::new(),
+            pinned: std::collections::BTreeSet::new(),
             transfer,
             mint,
             out,
@@ -305,12 +330,7 @@ impl<'a> Replay<'a> {
             let g = r.slots[s].generation;
             r.emit(s, 0, Fact::SessionStarted { generation: g })?;
         }
-        r.emit_router(
-            0,
-            Fact::SessionStarted {
-                generation: Generation(1),
-            },
-        )?;
+        r.emit_router(0, Fact::SessionStarted { generation: Generation(1) })?;
         r.next_arrival = r.trace.next_request()?;
         if let Some(t) = &r.next_arrival {
             let at = t.arrival_ns();
@@ -326,33 +346,59 @@ impl<'a> Replay<'a> {
 
     fn push(&mut self, at_ns: u64, ev: Ev) {
         self.seq += 1;
-        self.queue.push(Reverse(Queued {
-            at_ns,
-            seq: self.seq,
-            ev,
-        }));
+        self.queue.push(Reverse(Queued { at_ns, seq: self.seq, ev }));
+    }
+
+    fn push_all(&mut self, evs: Vec<Ev>) {
+        let now = self.now_ns;
+        for ev in evs {
+            self.push(now, ev);
+        }
     }
 
     fn emit(&mut self, slot: usize, at_ns: u64, fact: Fact) -> Result<(), ReplayError> {
         let worker = self.slots[slot].id;
-        if matches!(
-            fact,
-            Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared
-        ) {
+        if matches!(fact, Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared) {
             self.prefill_router.observe(worker, &fact);
             if let Some(d) = self.decode_router.as_mut() {
                 d.observe(worker, &fact);
             }
         }
+        // Router bookings follow physical pins: the prefill booking lives until the core
+        // reports the source released (the proposal's accounting table).
+        let released = match &fact {
+            Fact::SourcePinned { handoff, .. } => {
+                self.pinned.insert(*handoff);
+                None
+            }
+            Fact::SourceReleased { handoff, .. } => {
+                self.pinned.remove(handoff);
+                self.handoff_request.get(handoff).copied()
+            }
+            _ => None,
+        };
         let seq = self.out.append(worker, at_ns, &fact)?;
         self.metrics.apply(worker, &Record { seq, at_ns, fact });
+        if let Some(req) = released {
+            if let Some(f) = self.prefill_router.free_prefill(req) {
+                self.emit_router(at_ns, f)?;
+            }
+            if let Some(h) = self.guards.get(&req).and_then(|g| g.handoff) {
+                self.forget_handoff(h);
+            } else {
+                let hs: Vec<HandoffId> =
+                    self.handoff_request.iter().filter(|(_, r)| **r == req).map(|(h, _)| *h).collect();
+                for h in hs {
+                    self.forget_handoff(h);
+                }
+            }
+        }
         Ok(())
     }
 
     fn emit_router(&mut self, at_ns: u64, fact: Fact) -> Result<(), ReplayError> {
         let seq = self.out.append(WorkerId::ROUTER, at_ns, &fact)?;
-        self.metrics
-            .apply(WorkerId::ROUTER, &Record { seq, at_ns, fact });
+        self.metrics.apply(WorkerId::ROUTER, &Record { seq, at_ns, fact });
         Ok(())
     }
 
@@ -380,13 +426,7 @@ impl<'a> Replay<'a> {
         let drained = stuck.is_empty();
         self.out.finish()?;
         let report = self.metrics.report();
-        Ok(ReplayOutcome {
-            report,
-            drained,
-            stuck,
-            events: self.events,
-            virtual_end_ns: self.now_ns,
-        })
+        Ok(ReplayOutcome { report, drained, stuck, events: self.events, virtual_end_ns: self.now_ns })
     }
 
     fn handle(&mut self, ev: Ev) -> Result<(), ReplayError> {
@@ -398,16 +438,18 @@ impl<'a> Replay<'a> {
                 if let Some(effects) = self.slots[s].pending.take() {
                     self.apply_effects(s, effects)?;
                 }
-                while let Some(cmd) = self.slots[s].inbox.pop_front() {
+                while let Some((cmd, then)) = self.slots[s].inbox.pop_front() {
                     self.execute(s, cmd)?;
+                    self.push_all(then);
                 }
                 self.kick(s)?;
             }
-            Ev::Command { slot, cmd } => {
+            Ev::Command { slot, cmd, then } => {
                 if self.slots[slot].busy {
-                    self.slots[slot].inbox.push_back(cmd);
+                    self.slots[slot].inbox.push_back((cmd, then));
                 } else {
                     self.execute(slot, cmd)?;
+                    self.push_all(then);
                     self.kick(slot)?;
                 }
             }
@@ -491,13 +533,7 @@ impl<'a> Replay<'a> {
                     fail_status: None,
                 },
             );
-            self.push(
-                now,
-                Ev::Command {
-                    slot: p_slot,
-                    cmd: Cmd::Submit(request),
-                },
-            );
+            self.push(now, Ev::Command { slot: p_slot, cmd: Cmd::Submit(request), then: Vec::new() });
             return Ok(());
         }
         let handoff = self.mint.handoff_id();
@@ -520,10 +556,7 @@ impl<'a> Replay<'a> {
             let d_slot = self.route_decode(id, &request)?;
             guard.decode = Some(d_slot);
             dest = Some(d_slot);
-            self.push(
-                now + self.cfg.bootstrap_timeout_ms * NS_PER_MS,
-                Ev::BootstrapTimer { request: id },
-            );
+            self.push(now + self.cfg.bootstrap_timeout_ms * NS_PER_MS, Ev::BootstrapTimer { request: id });
         }
         self.guards.insert(id, guard);
         let source = SourceHandoff::new(SourceInit {
@@ -555,14 +588,11 @@ impl<'a> Replay<'a> {
     fn route_decode(&mut self, id: RequestId, request: &Request) -> Result<usize, ReplayError> {
         let now = self.now_ns;
         let total_blocks = (request.input_tokens + request.output_tokens).div_ceil(self.block_size);
-        let router = self
-            .decode_router
-            .as_mut()
-            .ok_or_else(|| ReplayError::Engine("no decode router".into()))?;
+        let router =
+            self.decode_router.as_mut().ok_or_else(|| ReplayError::Engine("no decode router".into()))?;
         let d = router.select(request).worker;
-        let booked = router
-            .book_decode(id, d, total_blocks)
-            .map_err(|e| ReplayError::Engine(e.to_string()))?;
+        let booked =
+            router.book_decode(id, d, total_blocks).map_err(|e| ReplayError::Engine(e.to_string()))?;
         self.emit_router(now, booked)?;
         Ok(self.slot_of(d))
     }
@@ -599,13 +629,7 @@ impl<'a> Replay<'a> {
         self.slots[d_slot].destinations.insert(handoff, dest);
         self.destination_event(d_slot, handoff, DestinationEvent::Routed { worker: d })?;
         if let Some(renew) = self.cfg.lease_renew_ms {
-            self.push(
-                now + renew * NS_PER_MS,
-                Ev::RenewTimer {
-                    slot: d_slot,
-                    handoff,
-                },
-            );
+            self.push(now + renew * NS_PER_MS, Ev::RenewTimer { slot: d_slot, handoff });
         }
         Ok(())
     }
@@ -667,20 +691,12 @@ impl<'a> Replay<'a> {
                 let r = core.submit(request, now);
                 self.command_result(s, r, None, Some(id))
             }
-            Cmd::DispatchPrefill {
-                handoff,
-                request,
-                lease_ns,
-            } => {
+            Cmd::DispatchPrefill { handoff, request, lease_ns } => {
                 let id = request.id;
                 let r = core.submit_handoff_prefill(handoff, request, lease_ns, now);
                 self.command_result(s, r, Some(handoff), Some(id))
             }
-            Cmd::Reserve {
-                handoff,
-                request,
-                deadline_ns,
-            } => {
+            Cmd::Reserve { handoff, request, deadline_ns } => {
                 let r = core.reserve_destination(handoff, request, deadline_ns, now);
                 self.command_result(s, r, Some(handoff), None)
             }
@@ -718,9 +734,7 @@ impl<'a> Replay<'a> {
     ) -> Result<(), ReplayError> {
         self.apply_effects(s, r.effects)?;
         match r.outcome {
-            Ok(CommandOutcome::Applied | CommandOutcome::NoOp | CommandOutcome::Unavailable) => {
-                Ok(())
-            }
+            Ok(CommandOutcome::Applied | CommandOutcome::NoOp | CommandOutcome::Unavailable) => Ok(()),
             Err(e) => self.command_failed(s, e, handoff, request),
         }
     }
@@ -746,9 +760,7 @@ impl<'a> Replay<'a> {
                 return Ok(());
             }
         };
-        if let Some(req) =
-            request.or_else(|| handoff.and_then(|h| self.handoff_request.get(&h).copied()))
-        {
+        if let Some(req) = request.or_else(|| handoff.and_then(|h| self.handoff_request.get(&h).copied())) {
             if let Some(g) = self.guards.get_mut(&req) {
                 g.fail_status = Some(TerminalStatus::Rejected);
             }
@@ -763,9 +775,7 @@ impl<'a> Replay<'a> {
             _ => {}
         }
         // Whatever the machines did, the request ends now (a no-op if they already ended it).
-        if let Some(req) =
-            request.or_else(|| handoff.and_then(|h| self.handoff_request.get(&h).copied()))
-        {
+        if let Some(req) = request.or_else(|| handoff.and_then(|h| self.handoff_request.get(&h).copied())) {
             self.terminal(req, TerminalStatus::Rejected, 0)?;
         }
         Ok(())
@@ -791,11 +801,7 @@ impl<'a> Replay<'a> {
                     }
                 }
             }
-            EngineOutput::Finished {
-                request,
-                status,
-                output_tokens,
-            } => {
+            EngineOutput::Finished { request, status, output_tokens } => {
                 if let Some(h) = self.guards.get(&request).and_then(|g| g.handoff) {
                     if self.slots[s].destinations.contains_key(&h) {
                         self.destination_event(s, h, DestinationEvent::RequestFinished)?;
@@ -806,21 +812,12 @@ impl<'a> Replay<'a> {
             EngineOutput::Rejected { request, .. } => {
                 self.terminal(request, TerminalStatus::Rejected, 0)?;
             }
-            EngineOutput::SourcePinned {
-                handoff,
-                request,
-                lease,
-                blocks,
-                deadline_ns,
-            } => {
+            EngineOutput::SourcePinned { handoff, request, lease, blocks, deadline_ns } => {
                 if let Some(f) = self.prefill_router.prefill_compute_done(request) {
                     self.emit_router(now, f)?;
                 }
                 // Source-first: the decode is routed once the prefill is done and pinned.
-                let needs_route = self
-                    .guards
-                    .get(&request)
-                    .is_some_and(|g| g.decode.is_none());
+                let needs_route = self.guards.get(&request).is_some_and(|g| g.decode.is_none());
                 if needs_route && self.policy == HandoffPolicy::SourceFirst {
                     let req = self.guards[&request].request.clone();
                     let d_slot = self.route_decode(request, &req)?;
@@ -829,21 +826,9 @@ impl<'a> Replay<'a> {
                     }
                     self.start_destination(d_slot, handoff, &req, s)?;
                 }
-                self.source_event(
-                    s,
-                    handoff,
-                    SourceEvent::PrefillPinned {
-                        lease,
-                        blocks,
-                        deadline_ns,
-                    },
-                )?;
+                self.source_event(s, handoff, SourceEvent::PrefillPinned { lease, blocks, deadline_ns })?;
             }
-            EngineOutput::DestinationReserved {
-                handoff,
-                reservation,
-                summary,
-            } => {
+            EngineOutput::DestinationReserved { handoff, reservation, summary } => {
                 self.destination_event(
                     s,
                     handoff,
@@ -855,19 +840,13 @@ impl<'a> Replay<'a> {
                 )?;
             }
             EngineOutput::ReservationFailed { handoff, .. } => {
-                if let Some(g) = self
-                    .handoff_request
-                    .get(&handoff)
-                    .and_then(|r| self.guards.get_mut(r))
-                {
+                if let Some(g) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get_mut(r)) {
                     g.fail_status = Some(TerminalStatus::Rejected);
                 }
                 self.destination_event(
                     s,
                     handoff,
-                    DestinationEvent::ReservationFailed {
-                        reason: CancelReason::DestinationRejected,
-                    },
+                    DestinationEvent::ReservationFailed { reason: CancelReason::DestinationRejected },
                 )?;
                 if let Some(req) = self.handoff_request.get(&handoff).copied() {
                     self.terminal(req, TerminalStatus::Rejected, 0)?;
@@ -879,12 +858,7 @@ impl<'a> Replay<'a> {
 
     // ----- role machines -----
 
-    fn source_event(
-        &mut self,
-        s: usize,
-        handoff: HandoffId,
-        ev: SourceEvent,
-    ) -> Result<(), ReplayError> {
+    fn source_event(&mut self, s: usize, handoff: HandoffId, ev: SourceEvent) -> Result<(), ReplayError> {
         let now = self.now_ns;
         let Some(m) = self.slots[s].sources.get_mut(&handoff) else {
             return Ok(());
@@ -901,74 +875,37 @@ impl<'a> Replay<'a> {
             }
         };
         let released = m.is_released();
-        let success = matches!(
-            m.state(),
-            crate::lifecycle::source::SourceState::Released {
-                how: EndReason::Success
-            }
-        );
+        let success =
+            matches!(m.state(), crate::lifecycle::source::SourceState::Released { how: EndReason::Success });
         self.emit_all(s, now, t.facts)?;
+        let mut batch = Batch::default();
         for a in t.actions {
             match a {
                 SourceAction::DispatchPrefill { lease_ns } => {
-                    let Some(req) = self
-                        .handoff_request
-                        .get(&handoff)
-                        .and_then(|r| self.guards.get(r))
+                    let Some(req) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get(r))
                     else {
                         continue;
                     };
                     let request = req.request.clone();
-                    self.push(
-                        now,
-                        Ev::Command {
-                            slot: s,
-                            cmd: Cmd::DispatchPrefill {
-                                handoff,
-                                request,
-                                lease_ns,
-                            },
-                        },
-                    );
+                    batch.command(s, Cmd::DispatchPrefill { handoff, request, lease_ns });
                 }
+                // The prefill booking is freed when the core reports the pin's release.
                 SourceAction::ReleaseSource { reason, .. } => {
-                    self.push(
-                        now,
-                        Ev::Command {
-                            slot: s,
-                            cmd: Cmd::ReleaseSource(handoff, reason),
-                        },
-                    );
-                    if let Some(req) = self.handoff_request.get(&handoff).copied() {
-                        if let Some(f) = self.prefill_router.free_prefill(req) {
-                            self.emit_router(now, f)?;
-                        }
-                    }
+                    batch.command(s, Cmd::ReleaseSource(handoff, reason))
                 }
                 SourceAction::CancelPrefill { reason } => {
-                    self.push(
-                        now,
-                        Ev::Command {
-                            slot: s,
-                            cmd: Cmd::CancelSource(handoff, reason),
-                        },
-                    );
+                    batch.command(s, Cmd::CancelSource(handoff, reason))
                 }
-                SourceAction::Send { to, message } => {
-                    let slot = self.slot_of(to);
-                    self.push(now, Ev::Deliver { slot, msg: message });
-                }
+                SourceAction::Send { to, message } => batch.message(self.slot_of(to), message),
                 SourceAction::ScheduleLeaseTimer { deadline_ns } => {
                     self.push(deadline_ns.max(now), Ev::LeaseTimer { slot: s, handoff });
                 }
             }
         }
+        self.push_all(batch.events);
         if released {
             self.slots[s].sources.remove(&handoff);
             if let Some(req) = self.handoff_request.get(&handoff).copied() {
-                if let Some(f) = self.prefill_router.free_prefill(req) {
-                    self.emit_router(now, f)?;
-                }
                 if !success {
                     self.fail_unless_activated(req)?;
                 }
@@ -1001,28 +938,16 @@ impl<'a> Replay<'a> {
         };
         let released = m.is_released();
         self.emit_all(s, now, t.facts)?;
+        let mut batch = Batch::default();
         for a in t.actions {
             match a {
                 DestinationAction::ReserveDestination { deadline_ns } => {
-                    let Some(req) = self
-                        .handoff_request
-                        .get(&handoff)
-                        .and_then(|r| self.guards.get(r))
+                    let Some(req) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get(r))
                     else {
                         continue;
                     };
                     let request = req.request.clone();
-                    self.push(
-                        now,
-                        Ev::Command {
-                            slot: s,
-                            cmd: Cmd::Reserve {
-                                handoff,
-                                request,
-                                deadline_ns,
-                            },
-                        },
-                    );
+                    batch.command(s, Cmd::Reserve { handoff, request, deadline_ns });
                 }
                 DestinationAction::StartReceive { missing_tokens, .. } => {
                     let at = now + self.transfer.transfer_ns(missing_tokens as u64);
@@ -1034,44 +959,21 @@ impl<'a> Replay<'a> {
                             g.activated = true;
                         }
                     }
-                    self.push(
-                        now,
-                        Ev::Command {
-                            slot: s,
-                            cmd: Cmd::Activate(handoff),
-                        },
-                    );
+                    batch.command(s, Cmd::Activate(handoff));
                 }
                 DestinationAction::ReleaseDestination { reason, .. } => {
-                    self.push(
-                        now,
-                        Ev::Command {
-                            slot: s,
-                            cmd: Cmd::CancelDestination(handoff, reason),
-                        },
-                    );
+                    batch.command(s, Cmd::CancelDestination(handoff, reason))
                 }
                 DestinationAction::AbortRequest { reason } => {
-                    self.push(
-                        now,
-                        Ev::Command {
-                            slot: s,
-                            cmd: Cmd::CancelDestination(handoff, EndReason::Canceled(reason)),
-                        },
-                    );
+                    batch.command(s, Cmd::CancelDestination(handoff, EndReason::Canceled(reason)))
                 }
-                DestinationAction::Send { to, message } => {
-                    let slot = self.slot_of(to);
-                    self.push(now, Ev::Deliver { slot, msg: message });
-                }
+                DestinationAction::Send { to, message } => batch.message(self.slot_of(to), message),
                 DestinationAction::ScheduleReservationTimer { deadline_ns } => {
-                    self.push(
-                        deadline_ns.max(now),
-                        Ev::ReservationTimer { slot: s, handoff },
-                    );
+                    self.push(deadline_ns.max(now), Ev::ReservationTimer { slot: s, handoff });
                 }
             }
         }
+        self.push_all(batch.events);
         if released {
             self.slots[s].destinations.remove(&handoff);
             if let Some(req) = self.handoff_request.get(&handoff).copied() {
@@ -1101,7 +1003,7 @@ impl<'a> Replay<'a> {
             .slots
             .iter()
             .any(|s| s.sources.contains_key(&handoff) || s.destinations.contains_key(&handoff));
-        if held {
+        if held || self.pinned.contains(&handoff) {
             return;
         }
         if let Some(req) = self.handoff_request.get(&handoff) {
@@ -1136,18 +1038,9 @@ impl<'a> Replay<'a> {
         let (Some(h), Some(p)) = (g.handoff, g.prefill) else {
             return Ok(());
         };
-        let waiting = self.slots[p]
-            .sources
-            .get(&h)
-            .is_some_and(|m| m.state_name() == "NotStarted");
+        let waiting = self.slots[p].sources.get(&h).is_some_and(|m| m.state_name() == "NotStarted");
         if waiting {
-            self.source_event(
-                p,
-                h,
-                SourceEvent::Cancelled {
-                    reason: CancelReason::PeerLost,
-                },
-            )?;
+            self.source_event(p, h, SourceEvent::Cancelled { reason: CancelReason::PeerLost })?;
         }
         Ok(())
     }
@@ -1167,10 +1060,7 @@ impl<'a> Replay<'a> {
             self.emit_router(now, f)?;
         }
         // A pinned source keeps its prefill booking until it is released.
-        let source_held = g.handoff.is_some_and(|h| {
-            g.prefill
-                .is_some_and(|p| self.slots[p].sources.contains_key(&h))
-        });
+        let source_held = g.handoff.is_some_and(|h| self.pinned.contains(&h));
         if !source_held {
             if let Some(f) = self.prefill_router.free_prefill(request) {
                 self.emit_router(now, f)?;
@@ -1188,15 +1078,7 @@ impl<'a> Replay<'a> {
             self.emit_router(now, f)?;
         }
         let kv = crate::events::KvDelta::ZERO;
-        self.emit_router(
-            now,
-            Fact::RequestFinished {
-                request,
-                status,
-                output_tokens,
-                kv,
-            },
-        )?;
+        self.emit_router(now, Fact::RequestFinished { request, status, output_tokens, kv })?;
         if let Some(h) = g.handoff {
             // Anything still held for this handoff on either role is canceled.
             if status != TerminalStatus::Completed {
@@ -1205,18 +1087,14 @@ impl<'a> Replay<'a> {
                         self.source_event(
                             s,
                             h,
-                            SourceEvent::Cancelled {
-                                reason: CancelReason::RequestAborted,
-                            },
+                            SourceEvent::Cancelled { reason: CancelReason::RequestAborted },
                         )?;
                     }
                     if self.slots[s].destinations.contains_key(&h) {
                         self.destination_event(
                             s,
                             h,
-                            DestinationEvent::Cancelled {
-                                reason: CancelReason::RequestAborted,
-                            },
+                            DestinationEvent::Cancelled { reason: CancelReason::RequestAborted },
                         )?;
                     }
                 }
@@ -1238,10 +1116,7 @@ impl<'a> Replay<'a> {
             for (h, m) in &slot.sources {
                 out.push(format!(
                     "handoff {h} ({}) source on {} stuck in {}: {}",
-                    self.handoff_request
-                        .get(h)
-                        .map(|r| r.to_string())
-                        .unwrap_or_default(),
+                    self.handoff_request.get(h).map(|r| r.to_string()).unwrap_or_default(),
                     slot.id,
                     m.state_name(),
                     match m.state_name() {
@@ -1256,10 +1131,7 @@ impl<'a> Replay<'a> {
             for (h, m) in &slot.destinations {
                 out.push(format!(
                     "handoff {h} ({}) destination on {} stuck in {}: {}",
-                    self.handoff_request
-                        .get(h)
-                        .map(|r| r.to_string())
-                        .unwrap_or_default(),
+                    self.handoff_request.get(h).map(|r| r.to_string()).unwrap_or_default(),
                     slot.id,
                     m.state_name(),
                     match m.state_name() {

@@ -81,9 +81,7 @@ impl std::str::FromStr for TraceFormat {
         match s {
             "mooncake" | "jsonl" => Ok(TraceFormat::Mooncake),
             "azure" | "azure-csv" | "csv" => Ok(TraceFormat::AzureCsv),
-            other => Err(format!(
-                "unknown trace format `{other}` (expected mooncake or azure-csv)"
-            )),
+            other => Err(format!("unknown trace format `{other}` (expected mooncake or azure-csv)")),
         }
     }
 }
@@ -99,10 +97,7 @@ pub struct TraceOptions {
 
 impl Default for TraceOptions {
     fn default() -> Self {
-        TraceOptions {
-            format: None,
-            speedup: 1.0,
-        }
+        TraceOptions { format: None, speedup: 1.0 }
     }
 }
 
@@ -182,11 +177,7 @@ impl TraceReader<BufReader<File>> {
     /// from the first non-blank line.
     pub fn open(path: impl AsRef<Path>, options: TraceOptions) -> Result<Self, TraceError> {
         let path = path.as_ref();
-        let whole = |reason: String| TraceError {
-            path: path.to_path_buf(),
-            line: 0,
-            reason,
-        };
+        let whole = |reason: String| TraceError { path: path.to_path_buf(), line: 0, reason };
         let file = File::open(path).map_err(|e| whole(format!("cannot open: {e}")))?;
         let mut input = BufReader::with_capacity(64 * 1024, file);
         let format = match options.format {
@@ -196,31 +187,16 @@ impl TraceReader<BufReader<File>> {
                 None => sniff_format(&mut input).map_err(whole)?,
             },
         };
-        TraceReader::new(
-            input,
-            path,
-            TraceOptions {
-                format: Some(format),
-                ..options
-            },
-        )
+        TraceReader::new(input, path, TraceOptions { format: Some(format), ..options })
     }
 }
 
 impl<R: BufRead> TraceReader<R> {
     /// Reads from `input`; `path` is used in error messages only. `options.format` must be
     /// given (there is no extension to look at); with `None`, the first line is sniffed.
-    pub fn new(
-        mut input: R,
-        path: impl AsRef<Path>,
-        options: TraceOptions,
-    ) -> Result<Self, TraceError> {
+    pub fn new(mut input: R, path: impl AsRef<Path>, options: TraceOptions) -> Result<Self, TraceError> {
         let path = path.as_ref().to_path_buf();
-        let whole = |reason: String| TraceError {
-            path: path.clone(),
-            line: 0,
-            reason,
-        };
+        let whole = |reason: String| TraceError { path: path.clone(), line: 0, reason };
         if !(options.speedup.is_finite() && options.speedup > 0.0) {
             return Err(whole(format!(
                 "arrival speedup ratio must be a finite number > 0, got {}",
@@ -253,11 +229,7 @@ impl<R: BufRead> TraceReader<R> {
 
     fn error(&mut self, reason: String) -> TraceError {
         self.done = true;
-        TraceError {
-            path: self.path.clone(),
-            line: self.line,
-            reason,
-        }
+        TraceError { path: self.path.clone(), line: self.line, reason }
     }
 
     /// The next request, `Ok(None)` at the end of the trace.
@@ -268,10 +240,7 @@ impl<R: BufRead> TraceReader<R> {
             }
             self.buf.clear();
             // Bounded read: a file with no newlines must not be pulled into memory whole.
-            let n = match (&mut self.input)
-                .take(MAX_LINE_BYTES as u64 + 1)
-                .read_line(&mut self.buf)
-            {
+            let n = match (&mut self.input).take(MAX_LINE_BYTES as u64 + 1).read_line(&mut self.buf) {
                 Ok(n) => n,
                 Err(e) => {
                     self.line += 1;
@@ -281,9 +250,9 @@ impl<R: BufRead> TraceReader<R> {
             if n == 0 {
                 self.done = true;
                 if self.format == TraceFormat::AzureCsv && self.csv_columns.is_none() {
-                    return Err(self.error(
-                        "missing CSV header (TIMESTAMP,ContextTokens,GeneratedTokens)".into(),
-                    ));
+                    return Err(
+                        self.error("missing CSV header (TIMESTAMP,ContextTokens,GeneratedTokens)".into())
+                    );
                 }
                 return Ok(None);
             }
@@ -312,20 +281,18 @@ impl<R: BufRead> TraceReader<R> {
                     }
                     // Set just above when absent.
                     let cols = self.csv_columns.unwrap_or([0, 1, 2]);
-                    parse_azure_row(self.buf.trim(), cols).map(
-                        |(epoch_ns, input_tokens, output_tokens)| {
-                            let origin = *self.csv_origin_ns.get_or_insert(epoch_ns);
-                            RawRequest {
-                                // Relative to the first row already; `finish` takes it as the origin.
-                                timestamp_ms: epoch_ns.saturating_sub(origin) as f64 / 1e6,
-                                input_tokens,
-                                output_tokens,
-                                hash_ids: None,
-                                session_id: None,
-                                delay_ms: None,
-                            }
-                        },
-                    )
+                    parse_azure_row(self.buf.trim(), cols).map(|(epoch_ns, input_tokens, output_tokens)| {
+                        let origin = *self.csv_origin_ns.get_or_insert(epoch_ns);
+                        RawRequest {
+                            // Relative to the first row already; `finish` takes it as the origin.
+                            timestamp_ms: epoch_ns.saturating_sub(origin) as f64 / 1e6,
+                            input_tokens,
+                            output_tokens,
+                            hash_ids: None,
+                            session_id: None,
+                            delay_ms: None,
+                        }
+                    })
                 }
             };
             let raw = match parsed {
@@ -400,11 +367,7 @@ fn format_from_extension(path: &Path) -> Option<TraceFormat> {
 fn sniff_format<R: BufRead>(input: &mut R) -> Result<TraceFormat, String> {
     let head = input.fill_buf().map_err(|e| format!("read error: {e}"))?;
     let text = String::from_utf8_lossy(head);
-    let first = text
-        .trim_start_matches('\u{feff}')
-        .lines()
-        .map(str::trim)
-        .find(|l| !l.is_empty());
+    let first = text.trim_start_matches('\u{feff}').lines().map(str::trim).find(|l| !l.is_empty());
     match first {
         Some(l) if l.starts_with('{') => Ok(TraceFormat::Mooncake),
         Some(l) if l.to_ascii_uppercase().contains("TIMESTAMP") => Ok(TraceFormat::AzureCsv),
@@ -470,14 +433,7 @@ fn parse_mooncake(line: &str) -> Result<RawRequest, String> {
         SessionId::Text(t) => t,
         SessionId::Number(n) => n.to_string(),
     });
-    Ok(RawRequest {
-        timestamp_ms,
-        input_tokens,
-        output_tokens,
-        hash_ids: l.hash_ids,
-        session_id,
-        delay_ms,
-    })
+    Ok(RawRequest { timestamp_ms, input_tokens, output_tokens, hash_ids: l.hash_ids, session_id, delay_ms })
 }
 
 /// serde_json says "at line 1 column C" about the single line it saw, which reads as if it
@@ -500,9 +456,7 @@ fn non_negative_ms(field: &str, n: &serde_json::Number) -> Result<f64, String> {
 
 fn token_count(field: &str, n: &serde_json::Number) -> Result<u32, String> {
     match n.as_u64() {
-        Some(v) => {
-            u32::try_from(v).map_err(|_| format!("{field} {v} is too large (max {})", u32::MAX))
-        }
+        Some(v) => u32::try_from(v).map_err(|_| format!("{field} {v} is too large (max {})", u32::MAX)),
         None => Err(format!("{field} must be a non-negative integer, got {n}")),
     }
 }
@@ -510,26 +464,19 @@ fn token_count(field: &str, n: &serde_json::Number) -> Result<u32, String> {
 const AZURE_COLUMNS: [&str; 3] = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"];
 
 fn parse_csv_header(line: &str) -> Result<[usize; 3], String> {
-    let names: Vec<&str> = line
-        .split(',')
-        .map(|c| c.trim().trim_matches('"'))
-        .collect();
+    let names: Vec<&str> = line.split(',').map(|c| c.trim().trim_matches('"')).collect();
     let mut cols = [0usize; 3];
     for (slot, want) in cols.iter_mut().zip(AZURE_COLUMNS) {
-        *slot = names
-            .iter()
-            .position(|n| n.eq_ignore_ascii_case(want))
-            .ok_or_else(|| format!("CSV header lacks column `{want}` (expected TIMESTAMP,ContextTokens,GeneratedTokens)"))?;
+        *slot = names.iter().position(|n| n.eq_ignore_ascii_case(want)).ok_or_else(|| {
+            format!("CSV header lacks column `{want}` (expected TIMESTAMP,ContextTokens,GeneratedTokens)")
+        })?;
     }
     Ok(cols)
 }
 
 /// (epoch ns, context tokens, generated tokens)
 fn parse_azure_row(line: &str, cols: [usize; 3]) -> Result<(i64, u32, u32), String> {
-    let fields: Vec<&str> = line
-        .split(',')
-        .map(|c| c.trim().trim_matches('"'))
-        .collect();
+    let fields: Vec<&str> = line.split(',').map(|c| c.trim().trim_matches('"')).collect();
     let get = |i: usize, name: &str| {
         fields
             .get(cols[i])
@@ -537,9 +484,8 @@ fn parse_azure_row(line: &str, cols: [usize; 3]) -> Result<(i64, u32, u32), Stri
             .ok_or_else(|| format!("row has {} columns, missing `{name}`", fields.len()))
     };
     let ts = get(0, "TIMESTAMP")?;
-    let when = chrono::NaiveDateTime::parse_from_str(ts, "%Y-%m-%d %H:%M:%S%.f").map_err(|e| {
-        format!("TIMESTAMP `{ts}` is not a datetime like 2023-11-16 18:15:46.6805900: {e}")
-    })?;
+    let when = chrono::NaiveDateTime::parse_from_str(ts, "%Y-%m-%d %H:%M:%S%.f")
+        .map_err(|e| format!("TIMESTAMP `{ts}` is not a datetime like 2023-11-16 18:15:46.6805900: {e}"))?;
     // Nanoseconds since the epoch fit i64 until 2262 (the reader subtracts the first row's in
     // integers before going to f64, so sub-microsecond offsets survive).
     let epoch_ns = when
@@ -548,8 +494,7 @@ fn parse_azure_row(line: &str, cols: [usize; 3]) -> Result<(i64, u32, u32), Stri
         .ok_or_else(|| format!("TIMESTAMP `{ts}` is out of range (years 1677..2262)"))?;
     let count = |i: usize, name: &str| -> Result<u32, String> {
         let s = get(i, name)?;
-        s.parse::<u32>()
-            .map_err(|_| format!("{name} must be a non-negative integer, got `{s}`"))
+        s.parse::<u32>().map_err(|_| format!("{name} must be a non-negative integer, got `{s}`"))
     };
     let input_tokens = count(1, "ContextTokens")?;
     let output_tokens = count(2, "GeneratedTokens")?;
@@ -561,18 +506,11 @@ mod tests {
     use super::*;
     use std::io::Cursor;
 
-    fn read(
-        text: &str,
-        format: TraceFormat,
-        speedup: f64,
-    ) -> Vec<Result<TraceRequest, TraceError>> {
+    fn read(text: &str, format: TraceFormat, speedup: f64) -> Vec<Result<TraceRequest, TraceError>> {
         let r = TraceReader::new(
             Cursor::new(text.as_bytes()),
             "t",
-            TraceOptions {
-                format: Some(format),
-                speedup,
-            },
+            TraceOptions { format: Some(format), speedup },
         )
         .expect("options valid");
         r.collect()
@@ -580,17 +518,9 @@ mod tests {
 
     #[test]
     fn error_display_names_file_and_line() {
-        let e = TraceError {
-            path: "a/b.jsonl".into(),
-            line: 7,
-            reason: "bad".into(),
-        };
+        let e = TraceError { path: "a/b.jsonl".into(), line: 7, reason: "bad".into() };
         assert_eq!(e.to_string(), "a/b.jsonl:7: bad");
-        let e = TraceError {
-            path: "a/b.jsonl".into(),
-            line: 0,
-            reason: "bad".into(),
-        };
+        let e = TraceError { path: "a/b.jsonl".into(), line: 0, reason: "bad".into() };
         assert_eq!(e.to_string(), "a/b.jsonl: bad");
     }
 

@@ -148,28 +148,17 @@ mod tests {
         // 1000 tokens × 131072 B = 131,072,000 B at 64e9 B/s = 2,048,000 ns.
         assert_eq!(t.transfer_ns(1000), 2_048_000);
         assert_eq!(t.transfer_ns(0), 0);
-        let t = BandwidthTransfer {
-            latency_ns: 500,
-            ..t
-        };
+        let t = BandwidthTransfer { latency_ns: 500, ..t };
         assert_eq!(t.transfer_ns(0), 500);
         assert_eq!(t.transfer_ns(1000), 2_048_500);
         // Rounds up: 1 byte per token at 3 GB/s → 1/3 ns → 1 ns.
-        let t = BandwidthTransfer {
-            bandwidth_gbps: 3.0,
-            kv_bytes_per_token: 1,
-            latency_ns: 0,
-        };
+        let t = BandwidthTransfer { bandwidth_gbps: 3.0, kv_bytes_per_token: 1, latency_ns: 0 };
         assert_eq!(t.transfer_ns(1), 1);
     }
 
     #[test]
     fn delay_is_monotone_in_tokens() {
-        let t = BandwidthTransfer {
-            bandwidth_gbps: 7.3,
-            kv_bytes_per_token: 12_345,
-            latency_ns: 11,
-        };
+        let t = BandwidthTransfer { bandwidth_gbps: 7.3, kv_bytes_per_token: 12_345, latency_ns: 11 };
         let mut prev = 0;
         for n in (0..100_000u64).step_by(997) {
             let d = t.transfer_ns(n);
@@ -190,15 +179,11 @@ mod tests {
         let c: TransferConfig = serde_json::from_str(r#"{"mode":"bandwidth"}"#).unwrap();
         assert_eq!(c, TransferConfig::default());
         let c: TransferConfig =
-            serde_json::from_str(r#"{"mode":"bandwidth","bandwidth_gbps":32,"latency_ns":7}"#)
-                .unwrap();
+            serde_json::from_str(r#"{"mode":"bandwidth","bandwidth_gbps":32,"latency_ns":7}"#).unwrap();
         assert_eq!(c.transfer_ns(1000), 4_096_007);
         let c: TransferConfig = serde_json::from_str(r#"{"mode":"fixed","delay_ns":9}"#).unwrap();
         assert_eq!(c.transfer_ns(123), 9);
-        assert!(serde_json::from_str::<TransferConfig>(
-            r#"{"mode":"bandwidth","bandwith_gbps":1}"#
-        )
-        .is_err());
+        assert!(serde_json::from_str::<TransferConfig>(r#"{"mode":"bandwidth","bandwith_gbps":1}"#).is_err());
         assert!(serde_json::from_str::<TransferConfig>(r#"{"mode":"fixed"}"#).is_err());
         assert!(serde_json::from_str::<TransferConfig>(r#"{"mode":"warp"}"#).is_err());
     }
@@ -206,16 +191,10 @@ mod tests {
     #[test]
     fn validation_rejects_bad_values() {
         for bw in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-            let c = TransferConfig::Bandwidth(BandwidthTransfer {
-                bandwidth_gbps: bw,
-                ..Default::default()
-            });
+            let c = TransferConfig::Bandwidth(BandwidthTransfer { bandwidth_gbps: bw, ..Default::default() });
             assert!(c.validate().is_err(), "{bw}");
         }
-        let c = TransferConfig::Bandwidth(BandwidthTransfer {
-            kv_bytes_per_token: 0,
-            ..Default::default()
-        });
+        let c = TransferConfig::Bandwidth(BandwidthTransfer { kv_bytes_per_token: 0, ..Default::default() });
         assert!(c.validate().is_err());
         assert!(TransferConfig::default().validate().is_ok());
     }

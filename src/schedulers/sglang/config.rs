@@ -65,17 +65,9 @@ impl Default for SglangConfig {
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum ConfigError {
     #[error("{field} must be at least {min} (got {got})")]
-    TooSmall {
-        field: &'static str,
-        min: u64,
-        got: u64,
-    },
+    TooSmall { field: &'static str, min: u64, got: u64 },
     #[error("{field} must be at most {max} (got {got})")]
-    TooLarge {
-        field: &'static str,
-        max: u64,
-        got: u64,
-    },
+    TooLarge { field: &'static str, max: u64, got: u64 },
     #[error("chunked_prefill_size ({chunk}) must be at least page_size ({page})")]
     ChunkBelowPage { chunk: u32, page: u32 },
     #[error("new token ratios need 0 <= min ({min}) <= init ({init}) <= 1, both finite")]
@@ -89,21 +81,13 @@ impl SglangConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         fn at_least(field: &'static str, got: u32, min: u32) -> Result<(), ConfigError> {
             if got < min {
-                return Err(ConfigError::TooSmall {
-                    field,
-                    min: min as u64,
-                    got: got as u64,
-                });
+                return Err(ConfigError::TooSmall { field, min: min as u64, got: got as u64 });
             }
             Ok(())
         }
         fn at_most(field: &'static str, got: u32, max: u32) -> Result<(), ConfigError> {
             if got > max {
-                return Err(ConfigError::TooLarge {
-                    field,
-                    max: max as u64,
-                    got: got as u64,
-                });
+                return Err(ConfigError::TooLarge { field, max: max as u64, got: got as u64 });
             }
             Ok(())
         }
@@ -121,11 +105,7 @@ impl SglangConfig {
             });
         }
         at_least("max_running_requests", self.max_running_requests, 1)?;
-        at_most(
-            "max_running_requests",
-            self.max_running_requests,
-            i32::MAX as u32,
-        )?;
+        at_most("max_running_requests", self.max_running_requests, i32::MAX as u32)?;
         at_least("max_prefill_tokens", self.max_prefill_tokens, 1)?;
         at_least("chunked_prefill_size", self.chunked_prefill_size, 1)?;
         if self.chunked_prefill_size < self.page_size {
@@ -135,17 +115,9 @@ impl SglangConfig {
             });
         }
         at_least("clip_max_new_tokens", self.clip_max_new_tokens, 1)?;
-        at_least(
-            "new_token_ratio_decay_steps",
-            self.new_token_ratio_decay_steps,
-            1,
-        )?;
+        at_least("new_token_ratio_decay_steps", self.new_token_ratio_decay_steps, 1)?;
         // Headroom rides in an i32 delta field.
-        at_most(
-            "num_reserved_decode_tokens",
-            self.num_reserved_decode_tokens,
-            (i32::MAX as u32) / 2,
-        )?;
+        at_most("num_reserved_decode_tokens", self.num_reserved_decode_tokens, (i32::MAX as u32) / 2)?;
         at_least("max_waiting_requests", self.max_waiting_requests, 1)?;
         at_least("max_pending_reservations", self.max_pending_reservations, 1)?;
         let (init, min) = (self.init_new_token_ratio, self.min_new_token_ratio);
@@ -154,10 +126,7 @@ impl SglangConfig {
         }
         let (p, d) = (self.timing.prefill_speedup, self.timing.decode_speedup);
         if !(p.is_finite() && d.is_finite() && p > 0.0 && d > 0.0) {
-            return Err(ConfigError::BadSpeedup {
-                prefill: p,
-                decode: d,
-            });
+            return Err(ConfigError::BadSpeedup { prefill: p, decode: d });
         }
         Ok(())
     }

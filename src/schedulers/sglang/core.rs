@@ -4,8 +4,7 @@ use super::config::{ConfigError, SglangConfig};
 use super::radix::{Holder, Kind, KvPool};
 use crate::events::{BlockHash, EngineShape, Fact, KvDelta, RejectReason, TerminalStatus};
 use crate::ids::{
-    CancelReason, DestinationReservationId, EndReason, HandoffId, RequestId, SourceLeaseId,
-    WorkerId,
+    CancelReason, DestinationReservationId, EndReason, HandoffId, RequestId, SourceLeaseId, WorkerId,
 };
 use crate::projections::capacity::KvCapacitySnapshot;
 use crate::schedulers::request::{decode_block_hash, ROOT_HASH};
@@ -141,17 +140,11 @@ pub struct SglangCore {
 }
 
 fn outcome_ok(o: CommandOutcome, effects: Effects) -> CommandResult {
-    CommandResult {
-        outcome: Ok(o),
-        effects,
-    }
+    CommandResult { outcome: Ok(o), effects }
 }
 
 fn outcome_err(e: CommandError, effects: Effects) -> CommandResult {
-    CommandResult {
-        outcome: Err(e),
-        effects,
-    }
+    CommandResult { outcome: Err(e), effects }
 }
 
 impl SglangCore {
@@ -259,8 +252,7 @@ impl SglangCore {
         while r.hashes.len() < n {
             let i = r.hashes.len();
             let parent = r.hashes.last().copied().unwrap_or(ROOT_HASH);
-            r.hashes
-                .push(decode_block_hash(parent, r.request.id, i as u32));
+            r.hashes.push(decode_block_hash(parent, r.request.id, i as u32));
         }
     }
 
@@ -298,14 +290,8 @@ impl SglangCore {
 
     fn reject(&mut self, request: RequestId, pages: u64) -> CommandResult {
         let mut eff = Effects::default();
-        eff.facts.push(Fact::RequestRejected {
-            request,
-            reason: RejectReason::NeverFits,
-        });
-        eff.outputs.push(EngineOutput::Rejected {
-            request,
-            reason: RejectReason::NeverFits,
-        });
+        eff.facts.push(Fact::RequestRejected { request, reason: RejectReason::NeverFits });
+        eff.outputs.push(EngineOutput::Rejected { request, reason: RejectReason::NeverFits });
         outcome_err(
             CommandError::NeverFits {
                 request,
@@ -319,14 +305,8 @@ impl SglangCore {
     fn enqueue(&mut self, r: Req, eff: &mut Effects) -> bool {
         if self.waiting.len() >= self.cfg.max_waiting_requests as usize {
             let request = r.request.id;
-            eff.facts.push(Fact::RequestRejected {
-                request,
-                reason: RejectReason::NoCapacity,
-            });
-            eff.outputs.push(EngineOutput::Rejected {
-                request,
-                reason: RejectReason::NoCapacity,
-            });
+            eff.facts.push(Fact::RequestRejected { request, reason: RejectReason::NoCapacity });
+            eff.outputs.push(EngineOutput::Rejected { request, reason: RejectReason::NoCapacity });
             return false;
         }
         let id = r.request.id;
@@ -378,17 +358,8 @@ impl SglangCore {
             self.recent_sources.add(s.handoff);
         }
         let (request, output_tokens) = (r.request.id, r.output);
-        self.emit(eff, |kv| Fact::RequestFinished {
-            request,
-            status,
-            output_tokens,
-            kv,
-        });
-        eff.outputs.push(EngineOutput::Finished {
-            request,
-            status,
-            output_tokens,
-        });
+        self.emit(eff, |kv| Fact::RequestFinished { request, status, output_tokens, kv });
+        eff.outputs.push(EngineOutput::Finished { request, status, output_tokens });
     }
 
     fn return_headroom(&mut self, tokens: u32) {
@@ -444,9 +415,7 @@ impl SglangCore {
             .sum();
         let missing = r.input_tokens as i64 - prefix_tokens as i64;
         let clip = r.output_tokens.min(self.cfg.clip_max_new_tokens) as i64;
-        let need = (missing + reserved)
-            .max(missing + clip - retractable)
-            .max(0);
+        let need = (missing + reserved).max(missing + clip - retractable).max(0);
         let need = (need + page - 1) / page * page;
         let available = (self.pool.available() as i64 - unlocked as i64) * page;
         let promised = reserved * self.decoding_count() as i64;
@@ -469,11 +438,7 @@ impl SglangCore {
         self.pool.acc.headroom_tokens += reserved as i32;
         let reservation = DestinationReservationId(self.next_reservation);
         self.next_reservation += 1;
-        req.dest = Some(DestInfo {
-            handoff: p.handoff,
-            reservation,
-            headroom: reserved as u32,
-        });
+        req.dest = Some(DestInfo { handoff: p.handoff, reservation, headroom: reserved as u32 });
         req.phase = Phase::Reserved;
         let request = req.request.id;
         let key = self.insert_req(req);
@@ -495,12 +460,7 @@ impl SglangCore {
         eff.outputs.push(EngineOutput::DestinationReserved {
             handoff,
             reservation,
-            summary: ReservationSummary {
-                pages: delta_pages,
-                prefix_blocks,
-                prefix_tokens,
-                missing_tokens,
-            },
+            summary: ReservationSummary { pages: delta_pages, prefix_blocks, prefix_tokens, missing_tokens },
         });
         Ok(())
     }
@@ -520,10 +480,7 @@ impl SglangCore {
                 Ok(()) => continue,
                 Err(reason) => {
                     let handoff = p.handoff;
-                    self.pending.push_front(Pending {
-                        last_try: Some(self.epoch()),
-                        ..p
-                    });
+                    self.pending.push_front(Pending { last_try: Some(self.epoch()), ..p });
                     eff.facts.push(Fact::ReservationRefused { handoff, reason });
                     return;
                 }
@@ -573,9 +530,7 @@ impl SglangCore {
                 }
                 let max_pages = r.holder.pages() as u64 + self.pool.available();
                 if self.pages_for(end) as u64 > max_pages {
-                    end = r
-                        .fill
-                        .min((max_pages * page as u64).min(u32::MAX as u64) as u32);
+                    end = r.fill.min((max_pages * page as u64).min(u32::MAX as u64) as u32);
                     if end < r.fill {
                         end = end / page * page;
                     }
@@ -606,9 +561,7 @@ impl SglangCore {
             let fill = r.fill;
             let max_match = (fill.saturating_sub(1) / page) as usize;
             Self::ensure_hashes(r, max_match);
-            let prefix = self
-                .pool
-                .match_prefix(&r.hashes[..max_match.min(r.hashes.len())], max_match);
+            let prefix = self.pool.match_prefix(&r.hashes[..max_match.min(r.hashes.len())], max_match);
             let Some(r) = self.reqs[k].as_ref() else {
                 break;
             };
@@ -637,11 +590,7 @@ impl SglangCore {
                 break;
             }
             let pages = self.pages_for(prefix_tokens + chunk) - prefix.len() as u32;
-            let avail = self
-                .pool
-                .available()
-                .saturating_sub(unlocked)
-                .saturating_sub(pages_promised);
+            let avail = self.pool.available().saturating_sub(unlocked).saturating_sub(pages_promised);
             if pages as u64 > avail {
                 break;
             }
@@ -672,11 +621,7 @@ impl SglangCore {
                 self.own_epoch += 1;
             }
             self.take_slot();
-            self.emit(eff, |kv| Fact::RequestScheduled {
-                request,
-                cached_tokens: prefix_tokens,
-                kv,
-            });
+            self.emit(eff, |kv| Fact::RequestScheduled { request, cached_tokens: prefix_tokens, kv });
             rem_input -= (chunk.div_ceil(page) * page) as i64;
             rem_chunk -= chunk as i64;
             batch.push((k, chunk));
@@ -722,12 +667,9 @@ impl SglangCore {
         let page = self.page();
         let mut any = false;
         loop {
-            let need = self
-                .running
-                .iter()
-                .filter_map(|&k| self.req(k))
-                .filter(|r| r.kv_len % page == 0)
-                .count() as u64;
+            let need =
+                self.running.iter().filter_map(|&k| self.req(k)).filter(|r| r.kv_len % page == 0).count()
+                    as u64;
             if need <= self.pool.available() || self.running.is_empty() {
                 return any;
             }
@@ -738,11 +680,7 @@ impl SglangCore {
                 .enumerate()
                 .filter_map(|(i, &k)| self.req(k).map(|r| (i, k, r)))
                 .min_by_key(|(_, k, r)| {
-                    (
-                        r.output,
-                        std::cmp::Reverse(r.request.input_tokens),
-                        std::cmp::Reverse(*k),
-                    )
+                    (r.output, std::cmp::Reverse(r.request.input_tokens), std::cmp::Reverse(*k))
                 })
                 .map(|(i, k, _)| (i, k));
             let Some((i, k)) = victim else { return any };
@@ -779,21 +717,8 @@ impl SglangCore {
         let (handoff, deadline_ns) = (s.handoff, at_ns.saturating_add(s.lease_ns));
         let (request, blocks) = (r.request.id, r.holder.pages());
         self.n_pinned += 1;
-        self.emit(eff, |kv| Fact::SourcePinned {
-            handoff,
-            request,
-            lease,
-            blocks,
-            deadline_ns,
-            kv,
-        });
-        eff.outputs.push(EngineOutput::SourcePinned {
-            handoff,
-            request,
-            lease,
-            blocks,
-            deadline_ns,
-        });
+        self.emit(eff, |kv| Fact::SourcePinned { handoff, request, lease, blocks, deadline_ns, kv });
+        eff.outputs.push(EngineOutput::SourcePinned { handoff, request, lease, blocks, deadline_ns });
     }
 
     fn source_released(&mut self, key: usize, reason: EndReason, eff: &mut Effects) {
@@ -810,12 +735,7 @@ impl SglangCore {
         self.sources.remove(&s.handoff);
         self.recent_sources.add(s.handoff);
         let (handoff, lease) = (s.handoff, s.lease.unwrap_or(SourceLeaseId(u64::MAX)));
-        self.emit(eff, |kv| Fact::SourceReleased {
-            handoff,
-            lease,
-            reason,
-            kv,
-        });
+        self.emit(eff, |kv| Fact::SourceReleased { handoff, lease, reason, kv });
     }
 
     fn unknown_or_noop(&self, handoff: HandoffId, recent: bool, eff: Effects) -> CommandResult {
@@ -833,15 +753,8 @@ impl SglangCore {
         mut eff: Effects,
     ) -> CommandResult {
         self.retry_pending(&mut eff);
-        debug_assert!(
-            self.pool.acc.is_zero(),
-            "unattributed delta {:?}",
-            self.pool.acc
-        );
-        CommandResult {
-            outcome,
-            effects: eff,
-        }
+        debug_assert!(self.pool.acc.is_zero(), "unattributed delta {:?}", self.pool.acc);
+        CommandResult { outcome, effects: eff }
     }
 }
 
@@ -884,11 +797,7 @@ impl EngineCore for SglangCore {
             return self.reject(request.id, pages);
         }
         let mut r = self.new_req(request, 1);
-        r.source = Some(SourceInfo {
-            handoff,
-            lease_ns,
-            lease: None,
-        });
+        r.source = Some(SourceInfo { handoff, lease_ns, lease: None });
         let mut eff = Effects::default();
         if self.enqueue(r, &mut eff) {
             if let Some(&k) = self.waiting.back() {
@@ -911,15 +820,10 @@ impl EngineCore for SglangCore {
             return outcome_err(CommandError::DuplicateHandoff(handoff), Effects::default());
         }
         let mut eff = Effects::default();
-        if let Some(pages) = self.never_fits(
-            request.input_tokens,
-            request.output_tokens,
-            self.cfg.num_reserved_decode_tokens,
-        ) {
-            eff.facts.push(Fact::ReservationRefused {
-                handoff,
-                reason: RejectReason::NeverFits,
-            });
+        if let Some(pages) =
+            self.never_fits(request.input_tokens, request.output_tokens, self.cfg.num_reserved_decode_tokens)
+        {
+            eff.facts.push(Fact::ReservationRefused { handoff, reason: RejectReason::NeverFits });
             self.recent_dests.add(handoff);
             let e = CommandError::NeverFits {
                 request: request.id,
@@ -928,12 +832,7 @@ impl EngineCore for SglangCore {
             };
             return outcome_err(e, eff);
         }
-        let p = Pending {
-            handoff,
-            request,
-            deadline_ns,
-            last_try: None,
-        };
+        let p = Pending { handoff, request, deadline_ns, last_try: None };
         if self.pending.is_empty() {
             match self.try_reserve(&p, &mut eff) {
                 Ok(()) => return self.finish_command(Ok(CommandOutcome::Applied), eff),
@@ -943,10 +842,7 @@ impl EngineCore for SglangCore {
                     }
                     eff.facts.push(Fact::ReservationQueued { handoff });
                     eff.facts.push(Fact::ReservationRefused { handoff, reason });
-                    self.pending.push_back(Pending {
-                        last_try: Some(self.epoch()),
-                        ..p
-                    });
+                    self.pending.push_back(Pending { last_try: Some(self.epoch()), ..p });
                     self.dests.insert(handoff, DestEntry::Pending);
                 }
             }
@@ -965,15 +861,10 @@ impl EngineCore for SglangCore {
     fn activate_destination(&mut self, handoff: HandoffId, _at_ns: u64) -> CommandResult {
         let eff = Effects::default();
         let key = match self.dests.get(&handoff) {
-            None => {
-                return self.unknown_or_noop(handoff, self.recent_dests.contains(&handoff), eff)
-            }
+            None => return self.unknown_or_noop(handoff, self.recent_dests.contains(&handoff), eff),
             Some(DestEntry::Pending) => {
-                let e = CommandError::InvalidState {
-                    handoff,
-                    command: "activate_destination",
-                    state: "pending",
-                };
+                let e =
+                    CommandError::InvalidState { handoff, command: "activate_destination", state: "pending" };
                 return outcome_err(e, eff);
             }
             Some(DestEntry::Live(k)) => *k,
@@ -998,18 +889,11 @@ impl EngineCore for SglangCore {
         let request_id = r.request.id;
         let full = (r.kv_len / page) as usize;
         let stored = self.pool.insert(&mut r.holder, &r.hashes, full);
-        let reservation = r
-            .dest
-            .as_ref()
-            .map(|d| d.reservation)
-            .unwrap_or(DestinationReservationId(u64::MAX));
+        let reservation =
+            r.dest.as_ref().map(|d| d.reservation).unwrap_or(DestinationReservationId(u64::MAX));
         self.n_reserved -= 1;
         self.prebuilt.push_back(key);
-        self.emit(&mut eff, |kv| Fact::DestinationActivated {
-            handoff,
-            reservation,
-            kv,
-        });
+        self.emit(&mut eff, |kv| Fact::DestinationActivated { handoff, reservation, kv });
         if let Some(f) = stored {
             eff.facts.push(f);
         }
@@ -1020,34 +904,20 @@ impl EngineCore for SglangCore {
         self.finish_command(Ok(CommandOutcome::Applied), eff)
     }
 
-    fn release_source(
-        &mut self,
-        handoff: HandoffId,
-        reason: EndReason,
-        _at_ns: u64,
-    ) -> CommandResult {
+    fn release_source(&mut self, handoff: HandoffId, reason: EndReason, _at_ns: u64) -> CommandResult {
         let mut eff = Effects::default();
         let Some(&key) = self.sources.get(&handoff) else {
             return self.unknown_or_noop(handoff, self.recent_sources.contains(&handoff), eff);
         };
         if self.req(key).map(|r| r.phase) != Some(Phase::Pinned) {
-            let e = CommandError::InvalidState {
-                handoff,
-                command: "release_source",
-                state: "computing",
-            };
+            let e = CommandError::InvalidState { handoff, command: "release_source", state: "computing" };
             return outcome_err(e, eff);
         }
         self.source_released(key, reason, &mut eff);
         self.finish_command(Ok(CommandOutcome::Applied), eff)
     }
 
-    fn cancel_source(
-        &mut self,
-        handoff: HandoffId,
-        reason: CancelReason,
-        _at_ns: u64,
-    ) -> CommandResult {
+    fn cancel_source(&mut self, handoff: HandoffId, reason: CancelReason, _at_ns: u64) -> CommandResult {
         let mut eff = Effects::default();
         let Some(&key) = self.sources.get(&handoff) else {
             return self.unknown_or_noop(handoff, self.recent_sources.contains(&handoff), eff);
@@ -1063,23 +933,15 @@ impl EngineCore for SglangCore {
         self.finish_command(Ok(CommandOutcome::Applied), eff)
     }
 
-    fn cancel_destination(
-        &mut self,
-        handoff: HandoffId,
-        reason: CancelReason,
-        _at_ns: u64,
-    ) -> CommandResult {
+    fn cancel_destination(&mut self, handoff: HandoffId, reason: CancelReason, _at_ns: u64) -> CommandResult {
         let mut eff = Effects::default();
         let key = match self.dests.get(&handoff) {
-            None => {
-                return self.unknown_or_noop(handoff, self.recent_dests.contains(&handoff), eff)
-            }
+            None => return self.unknown_or_noop(handoff, self.recent_dests.contains(&handoff), eff),
             Some(DestEntry::Pending) => {
                 self.pending.retain(|p| p.handoff != handoff);
                 self.dests.remove(&handoff);
                 self.recent_dests.add(handoff);
-                eff.facts
-                    .push(Fact::ReservationDequeued { handoff, reason });
+                eff.facts.push(Fact::ReservationDequeued { handoff, reason });
                 return self.finish_command(Ok(CommandOutcome::Applied), eff);
             }
             Some(DestEntry::Live(k)) => *k,
@@ -1105,12 +967,7 @@ impl EngineCore for SglangCore {
                 self.dests.remove(&handoff);
                 self.recent_dests.add(handoff);
                 let reason = EndReason::Canceled(reason);
-                self.emit(&mut eff, |kv| Fact::ReservationReleased {
-                    handoff,
-                    reservation,
-                    reason,
-                    kv,
-                });
+                self.emit(&mut eff, |kv| Fact::ReservationReleased { handoff, reservation, reason, kv });
             }
             Some(_) => {
                 // Activated: aborted like any request on this engine.
@@ -1131,11 +988,7 @@ impl EngineCore for SglangCore {
             };
             r.phase = Phase::Running;
             let (request, cached_tokens, finished) = (r.request.id, r.kv_len, r.output >= r.target);
-            self.emit(&mut eff, |kv| Fact::RequestScheduled {
-                request,
-                cached_tokens,
-                kv,
-            });
+            self.emit(&mut eff, |kv| Fact::RequestScheduled { request, cached_tokens, kv });
             if finished {
                 self.finish(k, TerminalStatus::Completed, &mut eff);
             } else {
@@ -1148,10 +1001,7 @@ impl EngineCore for SglangCore {
         let shape;
         let (prefill_tokens, decode_tokens, batch_size);
         if let Some((tokens, n)) = self.prefill_pass(&mut eff, &mut step_kv, &mut done) {
-            shape = StepShape {
-                prefill_tokens: tokens as u64,
-                ..StepShape::default()
-            };
+            shape = StepShape { prefill_tokens: tokens as u64, ..StepShape::default() };
             (prefill_tokens, decode_tokens, batch_size) = (tokens, 0, n);
         } else if !self.running.is_empty() {
             let retracted = self.retract_for_decode(&mut eff);
@@ -1160,8 +1010,7 @@ impl EngineCore for SglangCore {
             } else {
                 let decay = (self.cfg.init_new_token_ratio - self.cfg.min_new_token_ratio)
                     / self.cfg.new_token_ratio_decay_steps as f64;
-                self.new_token_ratio =
-                    (self.new_token_ratio - decay).max(self.cfg.min_new_token_ratio);
+                self.new_token_ratio = (self.new_token_ratio - decay).max(self.cfg.min_new_token_ratio);
             }
             let page = self.page();
             let mut active_kv = 0u64;
@@ -1190,10 +1039,7 @@ impl EngineCore for SglangCore {
             self.flush_removed(&mut eff);
             debug_assert!(self.pool.acc.is_zero());
             self.retry_pending(&mut eff);
-            return StepOutput {
-                effects: eff,
-                duration_ns: 0,
-            };
+            return StepOutput { effects: eff, duration_ns: 0 };
         }
         let duration_ns = self.cfg.timing.step_ns(&shape);
         self.flush_removed(&mut eff);
@@ -1217,8 +1063,7 @@ impl EngineCore for SglangCore {
             let first = r.output == 0;
             r.output += 1;
             r.phase = Phase::Running;
-            let (request, is_source, finished) =
-                (r.request.id, r.source.is_some(), r.output >= r.target);
+            let (request, is_source, finished) = (r.request.id, r.source.is_some(), r.output >= r.target);
             if first {
                 eff.facts.push(Fact::FirstTokenEmitted { request });
                 eff.outputs.push(EngineOutput::FirstToken { request });
@@ -1245,15 +1090,8 @@ impl EngineCore for SglangCore {
             }
         }
         self.retry_pending(&mut eff);
-        debug_assert!(
-            self.pool.acc.is_zero(),
-            "unattributed delta {:?}",
-            self.pool.acc
-        );
-        StepOutput {
-            effects: eff,
-            duration_ns,
-        }
+        debug_assert!(self.pool.acc.is_zero(), "unattributed delta {:?}", self.pool.acc);
+        StepOutput { effects: eff, duration_ns }
     }
 
     fn is_empty(&self) -> bool {
@@ -1264,10 +1102,7 @@ impl EngineCore for SglangCore {
     }
 
     fn is_drained(&self) -> bool {
-        self.is_empty()
-            && self.sources.is_empty()
-            && self.dests.is_empty()
-            && self.pending.is_empty()
+        self.is_empty() && self.sources.is_empty() && self.dests.is_empty() && self.pending.is_empty()
     }
 
     fn snapshot(&self) -> KvCapacitySnapshot {
@@ -1288,10 +1123,7 @@ impl EngineCore for SglangCore {
         let live = self.reqs.iter().flatten();
         let c = self.pool.audit(live.clone().map(|r| &r.holder));
         let slots = live.clone().filter(|r| r.has_slot).count() as u64;
-        let headroom = live
-            .filter_map(|r| r.dest.as_ref())
-            .map(|d| d.headroom as u64)
-            .sum();
+        let headroom = live.filter_map(|r| r.dest.as_ref()).map(|d| d.headroom as u64).sum();
         KvCapacitySnapshot {
             active_blocks: c[0],
             pinned_source_blocks: c[1],
@@ -1317,14 +1149,8 @@ impl EngineCore for SglangCore {
 
 impl SglangCore {
     fn pending_full(&mut self, handoff: HandoffId, mut eff: Effects) -> CommandResult {
-        eff.facts.push(Fact::ReservationRefused {
-            handoff,
-            reason: RejectReason::NoCapacity,
-        });
-        eff.outputs.push(EngineOutput::ReservationFailed {
-            handoff,
-            reason: RejectReason::NoCapacity,
-        });
+        eff.facts.push(Fact::ReservationRefused { handoff, reason: RejectReason::NoCapacity });
+        eff.outputs.push(EngineOutput::ReservationFailed { handoff, reason: RejectReason::NoCapacity });
         self.recent_dests.add(handoff);
         self.finish_command(Ok(CommandOutcome::Applied), eff)
     }

@@ -92,11 +92,7 @@ pub(crate) struct Holder {
 
 impl Holder {
     pub(crate) fn new(kind: Kind) -> Self {
-        Holder {
-            nodes: Vec::new(),
-            private: 0,
-            kind,
-        }
+        Holder { nodes: Vec::new(), private: 0, kind }
     }
     pub(crate) fn pages(&self) -> u32 {
         self.nodes.len() as u32 + self.private
@@ -199,9 +195,7 @@ impl KvPool {
 
     /// How many of these nodes no holder locks (locking them takes them out of `available`).
     pub(crate) fn unlocked_count(&self, ids: &[NodeId]) -> u64 {
-        ids.iter()
-            .filter(|&&id| self.nodes[id as usize].unlocked())
-            .count() as u64
+        ids.iter().filter(|&&id| self.nodes[id as usize].unlocked()).count() as u64
     }
 
     fn lock(&mut self, id: NodeId, kind: Kind) {
@@ -288,12 +282,7 @@ impl KvPool {
     /// Turns the holder's private pages into tree nodes up to `upto` pages (hashes from
     /// `hashes`). A page whose hash is already cached is a duplicate: the holder locks the cached
     /// node and its own copy is freed. Returns the `KvStored` fact for the nodes that are new.
-    pub(crate) fn insert(
-        &mut self,
-        h: &mut Holder,
-        hashes: &[BlockHash],
-        upto: usize,
-    ) -> Option<Fact> {
+    pub(crate) fn insert(&mut self, h: &mut Holder, hashes: &[BlockHash], upto: usize) -> Option<Fact> {
         let mut stored = Vec::new();
         let mut stored_parent = None;
         while h.nodes.len() < upto.min(hashes.len()) && h.private > 0 {
@@ -312,14 +301,7 @@ impl KvPool {
                     let t = self.next_tick();
                     let mut locks = [0; 3];
                     locks[h.kind as usize] = 1;
-                    let node = Node {
-                        hash,
-                        parent,
-                        children: 0,
-                        locks,
-                        tick: t,
-                        live: true,
-                    };
+                    let node = Node { hash, parent, children: 0, locks, tick: t, live: true };
                     let id = match self.spare_ids.pop() {
                         Some(id) => {
                             self.nodes[id as usize] = node;
@@ -345,10 +327,7 @@ impl KvPool {
                 }
             }
         }
-        (!stored.is_empty()).then_some(Fact::KvStored {
-            parent: stored_parent,
-            blocks: stored,
-        })
+        (!stored.is_empty()).then_some(Fact::KvStored { parent: stored_parent, blocks: stored })
     }
 
     /// Unlocks the holder's nodes (they stay cached) and frees its private pages.

@@ -14,13 +14,7 @@ fn cached_path(p: &mut KvPool, base: u64, n: u32) -> Holder {
     assert!(p.alloc(&mut h, n));
     let hashes: Vec<u64> = (1..=n as u64).map(|i| base + i).collect();
     let stored = p.insert(&mut h, &hashes, n as usize);
-    assert_eq!(
-        stored,
-        Some(Fact::KvStored {
-            parent: None,
-            blocks: hashes
-        })
-    );
+    assert_eq!(stored, Some(Fact::KvStored { parent: None, blocks: hashes }));
     h
 }
 
@@ -42,11 +36,7 @@ fn eviction_is_lru_and_leaves_first_and_skips_locked_nodes() {
     assert!(p.alloc(&mut fresh, 5));
     // b's path goes leaf first (203, 202, 201) — a's tail 103 is newer than all of b.
     assert_eq!(p.removed, vec![203, 202, 201]);
-    assert_eq!(
-        p.match_prefix(&[101, 102, 103], 3).len(),
-        3,
-        "a's unlocked tail survives"
-    );
+    assert_eq!(p.match_prefix(&[101, 102, 103], 3).len(), 3, "a's unlocked tail survives");
     // One more page can only come from a's unlocked leaf, never from the locked prefix.
     assert!(p.alloc(&mut fresh, 1));
     assert_eq!(p.removed.last(), Some(&103));
@@ -67,11 +57,7 @@ fn shared_pages_follow_the_precedence_active_reserved_pinned() {
     let mut res = Holder::new(Kind::Reserved);
     p.lock_path(&mut res, &ids[..1]);
     p.release(&mut a);
-    assert_eq!(
-        counts(&p),
-        [0, 1, 1, 0, 2],
-        "reserved wins over pinned on the shared page"
-    );
+    assert_eq!(counts(&p), [0, 1, 1, 0, 2], "reserved wins over pinned on the shared page");
     p.set_kind(&mut res, Kind::Active);
     assert_eq!(counts(&p), [1, 1, 0, 0, 2]);
     p.release(&mut res);
@@ -89,20 +75,9 @@ fn duplicate_insert_adopts_the_cached_page_and_frees_the_copy() {
     let mut b = Holder::new(Kind::Active);
     assert!(p.alloc(&mut b, 3));
     let stored = p.insert(&mut b, &[1, 2, 3], 3);
-    assert_eq!(
-        stored,
-        Some(Fact::KvStored {
-            parent: Some(2),
-            blocks: vec![3]
-        }),
-        "only the new page"
-    );
+    assert_eq!(stored, Some(Fact::KvStored { parent: Some(2), blocks: vec![3] }), "only the new page");
     assert_eq!((b.nodes.len(), b.private), (3, 0));
-    assert_eq!(
-        counts(&p),
-        [3, 0, 0, 0, 3],
-        "the two copies went back to free"
-    );
+    assert_eq!(counts(&p), [3, 0, 0, 0, 3], "the two copies went back to free");
     assert_eq!(p.audit([&a, &b].into_iter()), counts(&p));
     p.release(&mut a);
     p.release(&mut b);

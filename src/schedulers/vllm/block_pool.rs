@@ -164,15 +164,7 @@ fn delta_bump(d: &mut KvDelta, c: Class, by: i32) {
 
 impl BlockPool {
     pub fn new(total: u32) -> Self {
-        let blocks = vec![
-            Block {
-                hash: None,
-                refs: [0; 3],
-                prev: NIL,
-                next: NIL
-            };
-            total as usize
-        ];
+        let blocks = vec![Block { hash: None, refs: [0; 3], prev: NIL, next: NIL }; total as usize];
         // Pop order: lowest id first (deterministic).
         let free: Vec<BlockId> = (0..total).rev().collect();
         BlockPool {
@@ -181,10 +173,7 @@ impl BlockPool {
             free,
             lru_head: NIL,
             lru_tail: NIL,
-            counts: Counts {
-                free: total as u64,
-                ..Default::default()
-            },
+            counts: Counts { free: total as u64, ..Default::default() },
             acc: KvDelta::ZERO,
             removed: Vec::new(),
             epoch: 0,
@@ -216,18 +205,12 @@ impl BlockPool {
     /// True if the block is cached-free (unreferenced, evictable): acquiring it takes it out of
     /// the evictable set.
     pub fn is_cached_free(&self, b: BlockId) -> bool {
-        self.blocks
-            .get(b as usize)
-            .map(|x| x.class() == Class::Cached)
-            .unwrap_or(false)
+        self.blocks.get(b as usize).map(|x| x.class() == Class::Cached).unwrap_or(false)
     }
 
     /// Reference counts by owner (`[active, pinned, reserved]`), for audits.
     pub fn refs_of(&self, b: BlockId) -> [u32; 3] {
-        self.blocks
-            .get(b as usize)
-            .map(|x| x.refs)
-            .unwrap_or([0; 3])
+        self.blocks.get(b as usize).map(|x| x.refs).unwrap_or([0; 3])
     }
 
     pub fn hash_of(&self, b: BlockId) -> Option<BlockHash> {
@@ -319,9 +302,7 @@ impl BlockPool {
             return Err(PoolError(format!("release of unknown block {b}")));
         };
         if blk.refs[owner as usize] == 0 {
-            return Err(PoolError(format!(
-                "release of block {b} without a {owner:?} reference"
-            )));
+            return Err(PoolError(format!("release of block {b} without a {owner:?} reference")));
         }
         self.transition(b, |blk| blk.refs[owner as usize] -= 1);
         Ok(())
@@ -333,9 +314,7 @@ impl BlockPool {
             return Err(PoolError(format!("rekind of unknown block {b}")));
         };
         if blk.refs[from as usize] == 0 {
-            return Err(PoolError(format!(
-                "rekind of block {b} without a {from:?} reference"
-            )));
+            return Err(PoolError(format!("rekind of block {b} without a {from:?} reference")));
         }
         self.transition(b, |blk| {
             blk.refs[from as usize] -= 1;
@@ -431,25 +410,13 @@ impl BlockPool {
                 }
             }
         }
-        if self.by_hash.len() as u64
-            != self.blocks.iter().filter(|b| b.hash.is_some()).count() as u64
-        {
-            return Err(PoolError(
-                "hash index size differs from hashed blocks".into(),
-            ));
+        if self.by_hash.len() as u64 != self.blocks.iter().filter(|b| b.hash.is_some()).count() as u64 {
+            return Err(PoolError("hash index size differs from hashed blocks".into()));
         }
         if self.free.len() as u64 != c.free {
-            return Err(PoolError(format!(
-                "free stack {} != free blocks {}",
-                self.free.len(),
-                c.free
-            )));
+            return Err(PoolError(format!("free stack {} != free blocks {}", self.free.len(), c.free)));
         }
-        if self
-            .free
-            .iter()
-            .any(|&b| self.blocks[b as usize].class() != Class::Free)
-        {
+        if self.free.iter().any(|&b| self.blocks[b as usize].class() != Class::Free) {
             return Err(PoolError("free stack holds a non-free block".into()));
         }
         let mut n = 0u64;
@@ -468,16 +435,10 @@ impl BlockPool {
             cur = blk.next;
         }
         if n != c.cached || prev != self.lru_tail {
-            return Err(PoolError(format!(
-                "LRU length {n} != cached blocks {}",
-                c.cached
-            )));
+            return Err(PoolError(format!("LRU length {n} != cached blocks {}", c.cached)));
         }
         if c != self.counts {
-            return Err(PoolError(format!(
-                "counters {:?} != recount {:?}",
-                self.counts, c
-            )));
+            return Err(PoolError(format!("counters {:?} != recount {:?}", self.counts, c)));
         }
         Ok(KvCapacitySnapshot {
             active_blocks: c.active,
@@ -509,14 +470,7 @@ mod tests {
         p.release(a, Owner::Active).unwrap();
         p.release(c, Owner::Active).unwrap(); // no hash: plain free
         let d = p.take_delta();
-        assert_eq!(
-            d,
-            KvDelta {
-                cached_free: 2,
-                free: -2,
-                ..KvDelta::ZERO
-            }
-        );
+        assert_eq!(d, KvDelta { cached_free: 2, free: -2, ..KvDelta::ZERO });
         // Plain free first, then the least recently freed cached block (b, hash 11).
         assert_eq!(p.alloc(Owner::Active), Some(c));
         assert_eq!(p.alloc(Owner::Active), Some(b));
@@ -534,14 +488,7 @@ mod tests {
         p.acquire(a, Owner::Pinned);
         p.acquire(a, Owner::Reserved);
         let s = p.audit().unwrap();
-        assert_eq!(
-            (
-                s.active_blocks,
-                s.pinned_source_blocks,
-                s.reserved_destination_blocks
-            ),
-            (1, 0, 0)
-        );
+        assert_eq!((s.active_blocks, s.pinned_source_blocks, s.reserved_destination_blocks), (1, 0, 0));
         p.release(a, Owner::Active).unwrap();
         assert_eq!(p.audit().unwrap().reserved_destination_blocks, 1);
         p.release(a, Owner::Reserved).unwrap();
@@ -550,14 +497,7 @@ mod tests {
         assert_eq!(p.audit().unwrap().cached_free_blocks, 1);
         assert!(p.release(a, Owner::Pinned).is_err());
         let d = p.take_delta();
-        assert_eq!(
-            d,
-            KvDelta {
-                free: -1,
-                cached_free: 1,
-                ..KvDelta::ZERO
-            }
-        );
+        assert_eq!(d, KvDelta { free: -1, cached_free: 1, ..KvDelta::ZERO });
     }
 
     #[test]

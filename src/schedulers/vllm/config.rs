@@ -98,10 +98,7 @@ pub const MAX_BLOCKS: u32 = u32::MAX - 1;
 impl VllmConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.num_gpu_blocks == 0 || self.num_gpu_blocks > MAX_BLOCKS {
-            return Err(ConfigError::NumGpuBlocks {
-                got: self.num_gpu_blocks,
-                max: MAX_BLOCKS,
-            });
+            return Err(ConfigError::NumGpuBlocks { got: self.num_gpu_blocks, max: MAX_BLOCKS });
         }
         if self.block_size == 0 {
             return Err(ConfigError::ZeroBlockSize);
@@ -138,12 +135,7 @@ mod tests {
         let c: VllmConfig = serde_json::from_str("{}").unwrap();
         assert_eq!(c, VllmConfig::default());
         assert_eq!(
-            (
-                c.num_gpu_blocks,
-                c.block_size,
-                c.max_num_seqs,
-                c.max_num_batched_tokens
-            ),
+            (c.num_gpu_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens),
             (16384, 64, 256, 8192)
         );
         assert!(c.enable_prefix_caching && c.enable_chunked_prefill);
@@ -153,34 +145,16 @@ mod tests {
     #[test]
     fn unknown_fields_and_bad_values_are_refused() {
         assert!(serde_json::from_str::<VllmConfig>(r#"{"num_blocks": 3}"#).is_err());
-        let c = VllmConfig {
-            num_gpu_blocks: 0,
-            ..Default::default()
-        };
-        assert!(matches!(
-            c.validate(),
-            Err(ConfigError::NumGpuBlocks { .. })
-        ));
-        let c = VllmConfig {
-            block_size: 0,
-            ..Default::default()
-        };
+        let c = VllmConfig { num_gpu_blocks: 0, ..Default::default() };
+        assert!(matches!(c.validate(), Err(ConfigError::NumGpuBlocks { .. })));
+        let c = VllmConfig { block_size: 0, ..Default::default() };
         assert_eq!(c.validate(), Err(ConfigError::ZeroBlockSize));
-        let c = VllmConfig {
-            max_num_seqs: 0,
-            ..Default::default()
-        };
+        let c = VllmConfig { max_num_seqs: 0, ..Default::default() };
         assert_eq!(c.validate(), Err(ConfigError::ZeroMaxNumSeqs));
-        let c = VllmConfig {
-            max_num_batched_tokens: 0,
-            ..Default::default()
-        };
+        let c = VllmConfig { max_num_batched_tokens: 0, ..Default::default() };
         assert_eq!(c.validate(), Err(ConfigError::ZeroBatchedTokens));
         let c = VllmConfig {
-            timing: PolynomialTiming {
-                prefill_speedup: 0.0,
-                decode_speedup: 1.0,
-            },
+            timing: PolynomialTiming { prefill_speedup: 0.0, decode_speedup: 1.0 },
             ..Default::default()
         };
         assert!(matches!(c.validate(), Err(ConfigError::BadSpeedup { .. })));

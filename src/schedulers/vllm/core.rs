@@ -507,7 +507,12 @@ impl VllmCore {
         let total = self.blocks_for(req.input_tokens.max(1) as u64);
         let (matched, matched_cached) = self.match_prefix(&hashes, hashes.len());
         let pages = total.saturating_sub(matched.len() as u64);
-        if self.pool.available().saturating_sub(matched_cached) < pages {
+        // vLLM serves running requests before admitting new (remote-KV) ones: a reservation
+        // may not take the blocks the requests already admitted here need for their next
+        // token (one each), or every freed block would go to the pending FIFO and decode
+        // would thrash on preemption.
+        let growth_reserve = (self.running.len() + self.waiting.len()) as u64;
+        if self.pool.available().saturating_sub(matched_cached) < pages + growth_reserve {
             return None;
         }
         for &b in &matched {
