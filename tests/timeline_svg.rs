@@ -382,3 +382,30 @@ fn bad_arguments_are_exit_2() {
         assert!(!dir.path().join("x.svg").exists(), "{extra:?} wrote an SVG");
     }
 }
+
+#[test]
+fn json_summary_names_the_file_window_and_the_stall_inspect_finds() {
+    let run = fixtures_dir().join("scripted-cascade");
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("t.svg");
+    let out = Command::cargo_bin("handoff-log")
+        .unwrap()
+        .arg("timeline")
+        .arg(&run)
+        .arg("--svg")
+        .arg(&svg)
+        .args(["--json", "--buckets", "2"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["bytes"].as_u64().unwrap(), std::fs::metadata(&svg).unwrap().len());
+    assert_eq!(v["from_ms"], 0.0);
+    assert_eq!(v["to_ms"], 3600.0);
+    assert_eq!(v["stalls"], serde_json::json!([{"worker": "prefill-0", "from_ms": 2000.0, "to_ms": 3006.0}]));
+    for w in v["workers"].as_array().unwrap() {
+        // Two buckets keep at most 2 × (2 + 2 × 6) points plus the window's start.
+        assert!(w["capacity_points"].as_u64().unwrap() <= 29, "{w}");
+        assert!(w["bucket_ms"].as_f64().unwrap() > 0.0, "{w}");
+    }
+}

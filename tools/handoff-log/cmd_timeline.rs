@@ -23,6 +23,9 @@ pub struct TimelineArgs {
     /// Window end, ms on the run's clock.
     #[arg(long)]
     pub to: Option<f64>,
+    /// Print what was drawn as JSON on stdout (file, window, points per series, stalls).
+    #[arg(long)]
+    pub json: bool,
     /// Time buckets per series, used once a series has more than 5 × this many points; each
     /// bucket keeps its first, last, minimum and maximum points.
     #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..=100_000))]
@@ -91,6 +94,48 @@ pub fn run(args: &TimelineArgs) -> Result<u8, CliError> {
     let svg = render_svg(&data);
     std::fs::write(&args.svg, svg.as_bytes())
         .map_err(|e| CliError::new(2, format!("writing {}: {e}", args.svg.display())))?;
-    eprintln!("wrote {} ({} workers, {} bytes)", args.svg.display(), data.workers.len(), svg.len());
+    if args.json {
+        let ms = |ns: u64| ns as f64 / 1e6;
+        let workers: Vec<_> = data
+            .workers
+            .iter()
+            .map(|w| {
+                serde_json::json!({
+                    "worker": w.worker,
+                    "total_blocks": w.total_blocks,
+                    "capacity_points": w.capacity.len(),
+                    "queue_points": w.queues.len(),
+                    "bucket_ms": ms(w.capacity_bucket_ns),
+                })
+            })
+            .collect();
+        let stalls: Vec<_> = data
+            .stalls
+            .iter()
+            .map(|(w, a, b)| serde_json::json!({"worker": w, "from_ms": ms(*a), "to_ms": b.map(ms)}))
+            .collect();
+        let gating: Vec<_> = data
+            .gating
+            .iter()
+            .map(|(w, n, peak)| serde_json::json!({"worker": w, "handoffs": n, "peak_pending": peak}))
+            .collect();
+        let mut out = crate::out::Out::new();
+        out.line(
+            &serde_json::json!({
+                "svg": args.svg.display().to_string(),
+                "bytes": svg.len(),
+                "from_ms": ms(data.from_ns),
+                "to_ms": ms(data.to_ns),
+                "records": data.records,
+                "workers": workers,
+                "stalls": stalls,
+                "gating": gating,
+            })
+            .to_string(),
+        )?;
+        out.flush()?;
+    } else {
+        eprintln!("wrote {} ({} workers, {} bytes)", args.svg.display(), data.workers.len(), svg.len());
+    }
     Ok(0)
 }
