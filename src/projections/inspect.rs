@@ -31,6 +31,17 @@
 //!   reservation that waited in a decode FIFO (`ReservationQueued`) before its prefill was
 //!   dispatched. Capacity waiting happens ahead of prefill, so source KV is not stranded.
 //!
+//! ## Report (`--json` keys)
+//! [`InspectReport`] serializes with these top-level keys: `run` (ids, backend, policy, streams,
+//! records, time span), `options` (the thresholds above), `cascade` (`null` when none; else
+//! `started_at_ms`, `workers`, `trigger` (`null` if no decode pressure preceded the stall; else
+//! `kind`, `at_ms`, `decode_workers`, `pin_rise`, `summary`), `intervals`, `summary`), `gating`
+//! (`null` when none), `peaks` (per engine worker: value and `at_ms` of active, pinned, reserved,
+//! kv_used blocks and of each queue), `longest_pinned` (with every transition: `at_ms`,
+//! `delta_ms`, `worker`, `fact`, `message`), `wait_breakdown` (`phases` with totals and
+//! distributions, `outcomes`) and `bookings` (per worker peaks of booked and used blocks, their
+//! largest gaps, and `divergences`). Times are ms on the run's clock.
+//!
 //! ## Cost
 //! One streaming pass folds capacity, queues, bookings, per-handoff milestones (only while a
 //! handoff is unfinished) and bounded-memory distributions; it keeps the ids of the `top_n`
