@@ -1,7 +1,8 @@
 //! Property: on random prefill histories, the stall `inspect` reports (start and end of the
 //! first one) is exactly the one a brute-force scan of the definition finds: the earliest
 //! instant at which pinned blocks are ≥ the threshold share AND some request has waited
-//! unscheduled for ≥ `stall_ms`, judged on settled states (all records of an instant applied).
+//! unscheduled for ≥ `stall_ms`, judged on settled states (all records of an instant applied),
+//! ending where that stops holding unless it holds again within `stall_ms`.
 
 use handoff_ledger::events::{EngineShape, Fact, KvDelta, Record, StreamHeader};
 use handoff_ledger::ids::*;
@@ -138,8 +139,17 @@ fn brute_force(recs: &[Record], pin_pct: u64) -> Option<(u64, Option<u64>)> {
     cands.sort();
     cands.dedup();
     let start = *cands.iter().find(|c| holds(**c))?;
-    let stop = states.iter().map(|s| s.0).find(|c| *c > start && !holds(*c));
-    Some((start, stop))
+    // It ends where the condition fails, unless it holds again within `stall_ms`.
+    let mut from = start;
+    loop {
+        let Some(stop) = states.iter().map(|s| s.0).find(|c| *c > from && !holds(*c)) else {
+            return Some((start, None));
+        };
+        match cands.iter().find(|c| **c > stop && holds(**c)) {
+            Some(again) if again - stop < STALL_MS * MS => from = *again,
+            _ => return Some((start, Some(stop))),
+        }
+    }
 }
 
 proptest! {

@@ -16,8 +16,10 @@
 //! * **Stranding cascade on a prefill worker**: an interval during which its pins are hot *and*
 //!   its admission is stalled. It starts at the first instant both hold (exactly: the later of
 //!   the instant pins became hot and `oldest_queued_at + stall_ms`) and ends at the first settled
-//!   instant either stops holding. The run's cascade is the first such interval on any worker;
-//!   `workers` lists every prefill worker that stalled.
+//!   instant either stops holding — unless both hold again within `stall_ms` of that end, in
+//!   which case it is the same interval (a release that admits one request and is at once
+//!   followed by new pins does not end a cascade). The run's cascade is the first such
+//!   interval on any worker; `workers` lists every prefill worker that stalled.
 //! * **Decode pressure.** A decode worker is under pressure at a settled instant when
 //!   `kv_used × 100 ≥ decode_full_pct × total` (default 95 %), or its reservation FIFO is not
 //!   empty, or it refused a reservation (`ReservationRefused`) at that instant. The cluster is
@@ -65,7 +67,7 @@ use std::path::Path;
 const NS_PER_MS: f64 = 1e6;
 
 /// Stall intervals and divergence intervals kept per worker (the rest are only counted).
-pub const MAX_INTERVALS_PER_WORKER: usize = 16;
+pub const MAX_INTERVALS_PER_WORKER: usize = 64;
 /// Finished handoffs remembered so that stray late facts (a message arriving after both roles
 /// ended) do not reopen them. Bounded; older ids are forgotten.
 const FINISHED_MEMORY: usize = 1 << 16;
@@ -384,6 +386,9 @@ struct WorkerState {
     waiting_since: BTreeMap<RequestId, u64>,
     waiting_order: BTreeSet<(u64, RequestId)>,
     stall: Option<OpenStall>,
+    /// The last stall that ended, and when: held back so that a stall resuming within
+    /// `stall_ms` continues it (one release does not end a cascade).
+    closed: Option<(OpenStall, u64)>,
     stalls: Vec<StallInterval>,
     stalls_dropped: u64,
     /// Decode: refusals in the current instant (pressure) and since the episode began.
@@ -566,6 +571,7 @@ impl InspectFold {
                         waiting_since: BTreeMap::new(),
                         waiting_order: BTreeSet::new(),
                         stall: None,
+                        closed: None,
                         stalls: Vec::new(),
                         stalls_dropped: 0,
                         refused_now: false,
@@ -1108,11 +1114,25 @@ impl InspectFold {
                     st.peak_pinned_pct = st.peak_pinned_pct.max(pinned_pct);
                     st.peak_waiting = st.peak_waiting.max(v.waiting);
                 } else if let Some(st) = ws.stall.take() {
-                    push_stall(ws, st, Some(t), t);
+                    if let Some((prev, end)) = ws.closed.take() {
+                        push_stall(ws, prev, Some(end), end);
+                    }
+                    ws.closed = Some((st, t));
                 }
             }
             if ws.stall.is_none() && hot {
                 if let Some(s) = stalled_from.filter(|s| *s < next || (next == t && *s <= t)) {
+                    match ws.closed.take() {
+                        // Resumed within `stall_ms` of its end: the same stall goes on.
+                        Some((mut prev, end)) if s.saturating_sub(end) < stall_ns => {
+                            prev.peak_pinned_pct = prev.peak_pinned_pct.max(pinned_pct);
+                            prev.peak_waiting = prev.peak_waiting.max(v.waiting);
+                            ws.stall = Some(prev);
+                            continue;
+                        }
+                        Some((prev, end)) => push_stall(ws, prev, Some(end), end),
+                        None => {}
+                    }
                     ws.stall = Some(OpenStall {
                         start_ns: s,
                         pinned_at_start_pct: pinned_pct,
@@ -1199,6 +1219,9 @@ impl InspectFold {
             let Some(ws) = ws.as_mut() else {
                 continue;
             };
+            if let Some((prev, closed_at)) = ws.closed.take() {
+                push_stall(ws, prev, Some(closed_at), closed_at);
+            }
             if let Some(st) = ws.stall.take() {
                 push_stall(ws, st, None, end);
             }
