@@ -685,18 +685,18 @@ impl InspectFold {
             })?;
             ws.dirty |= changes_view(&rec.fact);
             match &rec.fact {
-                Fact::RequestQueued { request } | Fact::RequestPreempted { request, .. } => {
-                    if worker.role == Role::Prefill {
-                        ws.queue(*request, at);
-                    }
+                Fact::RequestQueued { request } | Fact::RequestPreempted { request, .. }
+                    if worker.role == Role::Prefill =>
+                {
+                    ws.queue(*request, at);
                 }
                 Fact::RequestScheduled { request, .. }
                 | Fact::RequestFinished { request, .. }
                 | Fact::RequestRejected { request, .. } => ws.unqueue(request),
-                Fact::ReservationRefused { reason, .. } => {
-                    if *reason == RejectReason::NoCapacity || *reason == RejectReason::NoSlot {
-                        ws.refused_now = true;
-                    }
+                Fact::ReservationRefused {
+                    reason: RejectReason::NoCapacity | RejectReason::NoSlot, ..
+                } => {
+                    ws.refused_now = true;
                 }
                 _ => {}
             }

@@ -506,8 +506,11 @@ pub fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/runs")
 }
 
-/// Every scripted fixture: name and writer.
-pub fn scripted() -> [(&'static str, fn(&Path)); 4] {
+/// A fixture's name and the script that writes it.
+pub type Fixture = (&'static str, fn(&Path));
+
+/// Every scripted fixture.
+pub fn scripted() -> [Fixture; 4] {
     [
         ("scripted-cascade", write_cascade as fn(&Path)),
         ("scripted-healthy", write_healthy),
