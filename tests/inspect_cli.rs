@@ -96,6 +96,25 @@ fn cascade_is_found_with_its_trigger_on_the_cascade_run() {
         .map(|d| (d["worker"].as_str().unwrap(), d["kind"].as_str().unwrap()))
         .collect();
     assert!(kinds.contains(&("decode-0", "overbooked")));
+    // Over time: booked and used blocks side by side, in time order, through the overbooking.
+    let row = v["bookings"]["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["worker"] == "decode-0")
+        .unwrap()
+        .clone();
+    let series: Vec<(f64, u64, u64)> = row["series"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (p["at_ms"].as_f64().unwrap(), p["booked"].as_u64().unwrap(), p["kv_used"].as_u64().unwrap())
+        })
+        .collect();
+    assert!(series.windows(2).all(|w| w[0].0 < w[1].0), "{series:?}");
+    assert!(series.contains(&(940.0, 40, 16)), "{series:?}");
+    assert_eq!(series.last().map(|p| (p.1, p.2)), Some((0, 0)));
 }
 
 #[test]

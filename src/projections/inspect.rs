@@ -42,7 +42,7 @@
 //! kv_used blocks and of each queue), `longest_pinned` (with every transition: `at_ms`,
 //! `delta_ms`, `worker`, `fact`, `message`), `wait_breakdown` (`phases` with totals and
 //! distributions, `outcomes`) and `bookings` (per worker peaks of booked and used blocks, their
-//! largest gaps, and `divergences`). Times are ms on the run's clock.
+//! largest gaps, a bounded `series` of both over time, and `divergences`). Times are ms on the run's clock.
 //!
 //! ## Cost
 //! One streaming pass folds capacity, queues, bookings, per-handoff milestones (only while a
@@ -58,6 +58,7 @@ use crate::projections::distribution::{Distribution, Stats};
 use crate::projections::handoffs::HandoffLedger;
 use crate::projections::run::ProjectError;
 use crate::projections::scheduler::SchedulerFold;
+use crate::projections::timeline::{Downsampler, Sample};
 use crate::schedulers::SchedulerView;
 use serde::Serialize;
 use std::cmp::Reverse;
@@ -333,6 +334,20 @@ pub struct BookingRow {
     pub max_used_over_booked: PeakAt,
     pub overbooked_ms: f64,
     pub unbooked_pins_ms: f64,
+    /// Booked and used blocks over time: at most [`BOOKING_SERIES_BUCKETS`] time buckets, each
+    /// keeping its first, last, minimum and maximum points (every point a settled state).
+    pub series: Vec<BookingPoint>,
+}
+
+/// Time buckets of a booking series.
+pub const BOOKING_SERIES_BUCKETS: usize = 24;
+
+/// Router-booked beside physically used blocks at one settled instant.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct BookingPoint {
+    pub at_ms: f64,
+    pub booked: u64,
+    pub kv_used: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -395,6 +410,8 @@ struct WorkerState {
     refused_now: bool,
     /// Router bookings on this worker, in blocks.
     booked_blocks: u64,
+    booking_series: Option<Downsampler<2>>,
+    last_booking_point: Option<[u64; 2]>,
     booking: BookingRow,
     overbooked: Option<OpenDivergence>,
     unbooked: Option<OpenDivergence>,
@@ -585,7 +602,10 @@ impl InspectFold {
                             max_used_over_booked: PeakAt::default(),
                             overbooked_ms: 0.0,
                             unbooked_pins_ms: 0.0,
+                            series: Vec::new(),
                         },
+                        booking_series: None,
+                        last_booking_point: None,
                         overbooked: None,
                         unbooked: None,
                         divergences: Vec::new(),
@@ -1067,6 +1087,12 @@ impl InspectFold {
             let total = ws.total();
             let b = &mut ws.booking;
             b.peak_booked.see(booked, t);
+            if ws.last_booking_point != Some([booked, used]) {
+                ws.last_booking_point = Some([booked, used]);
+                ws.booking_series
+                    .get_or_insert_with(|| Downsampler::new(t, BOOKING_SERIES_BUCKETS))
+                    .push(Sample { at_ns: t, values: [booked, used] });
+            }
             b.peak_kv_used.see(used, t);
             b.max_booked_over_used.see(booked.saturating_sub(used), t);
             b.max_used_over_booked.see(used.saturating_sub(booked), t);
@@ -1239,7 +1265,16 @@ impl InspectFold {
                 }
             }
             peaks.push(ws.peaks.clone());
-            booking_rows.push(ws.booking.clone());
+            let mut row = ws.booking.clone();
+            row.series = ws
+                .booking_series
+                .as_ref()
+                .map(|d| d.points())
+                .unwrap_or_default()
+                .into_iter()
+                .map(|p| BookingPoint { at_ms: ms(p.at_ns), booked: p.values[0], kv_used: p.values[1] })
+                .collect();
+            booking_rows.push(row);
             divergences.append(&mut ws.divergences);
             divergences_dropped += ws.divergences_dropped;
             intervals.append(&mut ws.stalls);
