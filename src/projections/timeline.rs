@@ -730,9 +730,11 @@ pub fn render_svg(data: &TimelineData) -> String {
                     continue;
                 }
                 let ys: Vec<f64> = w.queues.iter().map(|s| qy(s.values[k] as f64)).collect();
+                // Dense lines (more than a point per 3 px) are drawn thin so they stay legible.
+                let stroke = if w.queues.len() as f64 > (sc.x1 - sc.x0) / 3.0 { 0.8 } else { 1.6 };
                 let _ = write!(
                     svg,
-                    r#"<path data-series="{}" d="{}" fill="none" stroke="{}" stroke-width="1.6"/>"#,
+                    r#"<path data-series="{}" d="{}" fill="none" stroke="{}" stroke-width="{stroke}"/>"#,
                     QUEUE_SERIES[k],
                     step_line(&xs, &ys, sc.x1),
                     Q_COLORS[k]
