@@ -548,8 +548,8 @@ impl DestinationHandoff {
         }
     }
 
-    /// After a failed handoff, the first message from a source that did not hear of the failure
-    /// gets one Abort, so it releases its pin now rather than at its lease deadline.
+    /// One `Abort` back to a peer that messages a failed handoff (see
+    /// [`PeerSession::late_abort_reason`]).
     fn reply_late(
         &mut self,
         t: &mut DestinationTransition,
@@ -557,17 +557,8 @@ impl DestinationHandoff {
         check: PeerCheck,
         how: EndReason,
     ) {
-        let reason = match how {
-            EndReason::Success => return,
-            EndReason::Expired => CancelReason::TransferFailed,
-            EndReason::Canceled(r) => r,
-        };
-        if check != PeerCheck::Current || msg.kind() == MessageKind::Abort {
-            return;
+        if let Some(reason) = self.peer.late_abort_reason(msg, check, how) {
+            self.send_abort(t, reason);
         }
-        if self.peer.worker.is_none() {
-            self.peer.learn(msg.from, msg.generation);
-        }
-        self.send_abort(t, reason);
     }
 }

@@ -118,6 +118,31 @@ pub(crate) enum PeerCheck {
 }
 
 impl PeerSession {
+    /// After a failed handoff, the first message from a peer that did not hear of the failure
+    /// earns one `Abort` back, so the peer frees its side now rather than at its own deadline.
+    /// Returns the reason to send, or `None` (success, a stale or foreign sender, or an `Abort`
+    /// itself). Learns the sender if the peer was not known yet.
+    pub fn late_abort_reason(
+        &mut self,
+        msg: &messages::HandoffMessage,
+        check: PeerCheck,
+        how: crate::ids::EndReason,
+    ) -> Option<crate::ids::CancelReason> {
+        use crate::ids::{CancelReason, EndReason};
+        let reason = match how {
+            EndReason::Success => return None,
+            EndReason::Expired => CancelReason::TransferFailed,
+            EndReason::Canceled(r) => r,
+        };
+        if check != PeerCheck::Current || msg.kind() == crate::events::MessageKind::Abort {
+            return None;
+        }
+        if self.worker.is_none() {
+            self.learn(msg.from, msg.generation);
+        }
+        Some(reason)
+    }
+
     pub fn new(worker: Option<WorkerId>, generation: Option<Generation>) -> Self {
         PeerSession { worker, generation, abort_sent: false }
     }

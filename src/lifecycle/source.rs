@@ -483,8 +483,8 @@ impl SourceHandoff {
         }
     }
 
-    /// After a failed handoff, the first message from a peer that did not hear of the failure
-    /// gets one Abort, so it frees its side now rather than at its own deadline.
+    /// One `Abort` back to a peer that messages a failed handoff (see
+    /// [`PeerSession::late_abort_reason`]).
     fn reply_late(
         &mut self,
         t: &mut SourceTransition,
@@ -492,17 +492,8 @@ impl SourceHandoff {
         check: PeerCheck,
         how: EndReason,
     ) {
-        let reason = match how {
-            EndReason::Success => return,
-            EndReason::Expired => CancelReason::TransferFailed,
-            EndReason::Canceled(r) => r,
-        };
-        if check != PeerCheck::Current || msg.kind() == MessageKind::Abort {
-            return;
+        if let Some(reason) = self.peer.late_abort_reason(msg, check, how) {
+            self.send_abort(t, reason);
         }
-        if self.peer.worker.is_none() {
-            self.peer.learn(msg.from, msg.generation);
-        }
-        self.send_abort(t, reason);
     }
 }
