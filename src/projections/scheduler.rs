@@ -32,6 +32,8 @@ pub struct ViewViolation(pub String);
 #[derive(Clone, Debug, Default)]
 pub struct SchedulerFold {
     requests: BTreeMap<RequestId, Phase>,
+    /// Requests in `Running`, kept as a count so `view` is O(1) (timelines call it per record).
+    running: u64,
     held: BTreeSet<HandoffId>,
     pending: BTreeSet<HandoffId>,
     reserved: BTreeMap<HandoffId, RequestId>,
@@ -43,7 +45,7 @@ impl SchedulerFold {
     }
 
     pub fn view(&self) -> SchedulerView {
-        let running = self.requests.values().filter(|p| **p == Phase::Running).count() as u64;
+        let running = self.running;
         SchedulerView {
             waiting: self.requests.len() as u64 - running,
             running,
@@ -62,20 +64,29 @@ impl SchedulerFold {
                 }
             }
             Fact::RequestScheduled { request, .. } => match self.requests.get_mut(request) {
-                Some(p @ Phase::Waiting) => *p = Phase::Running,
+                Some(p @ Phase::Waiting) => {
+                    *p = Phase::Running;
+                    self.running += 1;
+                }
                 other => return err(format!("{request} scheduled while {other:?}")),
             },
             Fact::RequestPreempted { request, .. } => match self.requests.get_mut(request) {
-                Some(p @ Phase::Running) => *p = Phase::Waiting,
+                Some(p @ Phase::Running) => {
+                    *p = Phase::Waiting;
+                    self.running -= 1;
+                }
                 other => return err(format!("{request} preempted while {other:?}")),
             },
             Fact::RequestFinished { request, .. } | Fact::RequestRejected { request, .. } => {
-                self.requests.remove(request);
+                if self.requests.remove(request) == Some(Phase::Running) {
+                    self.running -= 1;
+                }
             }
             Fact::SourcePinned { handoff, request, .. } => {
                 if self.requests.remove(request) != Some(Phase::Running) {
                     return err(format!("{request} pinned while not running"));
                 }
+                self.running -= 1;
                 if !self.held.insert(*handoff) {
                     return err(format!("handoff {handoff} pinned twice"));
                 }

@@ -66,42 +66,63 @@ pub fn run(logs: &[PathBuf], json_out: bool) -> Result<u8, CliError> {
 }
 
 /// `handoff-log merge RUN OUT`.
-pub fn merge(run: &std::path::Path, out_path: &std::path::Path) -> Result<u8, CliError> {
+pub fn merge(run: &std::path::Path, out_path: &std::path::Path, json_out: bool) -> Result<u8, CliError> {
     let s = handoff_ledger::events::write_merged(run, out_path)?;
     let mut out = Out::new();
-    out.line(&format!(
-        "{}: {} streams, {} records, {} bytes",
-        out_path.display(),
-        s.streams,
-        s.records,
-        s.bytes
-    ))?;
-    for (p, t) in &s.torn_tails {
+    if json_out {
+        let torn: Vec<_> = s
+            .torn_tails
+            .iter()
+            .map(|(p, t)| json!({"file": p.display().to_string(), "offset": t.offset, "bytes": t.bytes}))
+            .collect();
+        out.line(
+            &json!({"out": out_path.display().to_string(), "streams": s.streams, "records": s.records,
+                    "bytes": s.bytes, "torn_tails_left_out": torn})
+            .to_string(),
+        )?;
+    } else {
         out.line(&format!(
-            "{}: torn tail at byte offset {} left out ({} bytes)",
-            p.display(),
-            t.offset,
-            t.bytes
+            "{}: {} streams, {} records, {} bytes",
+            out_path.display(),
+            s.streams,
+            s.records,
+            s.bytes
         ))?;
+        for (p, t) in &s.torn_tails {
+            out.line(&format!(
+                "{}: torn tail at byte offset {} left out ({} bytes)",
+                p.display(),
+                t.offset,
+                t.bytes
+            ))?;
+        }
     }
     out.flush()?;
     Ok(0)
 }
 
 /// `handoff-log recover RUN`.
-pub fn recover(run: &std::path::Path) -> Result<u8, CliError> {
+pub fn recover(run: &std::path::Path, json_out: bool) -> Result<u8, CliError> {
     let cut = handoff_ledger::events::recover_run(run)?;
     let mut out = Out::new();
-    if cut.is_empty() {
-        out.line(&format!("{}: no torn tail; nothing written", run.display()))?;
-    }
-    for (p, t) in &cut {
-        out.line(&format!(
-            "{}: truncated {} bytes of a torn record at byte offset {}",
-            p.display(),
-            t.bytes,
-            t.offset
-        ))?;
+    if json_out {
+        let cut: Vec<_> = cut
+            .iter()
+            .map(|(p, t)| json!({"file": p.display().to_string(), "offset": t.offset, "bytes": t.bytes}))
+            .collect();
+        out.line(&json!({"run": run.display().to_string(), "truncated": cut}).to_string())?;
+    } else {
+        if cut.is_empty() {
+            out.line(&format!("{}: no torn tail; nothing written", run.display()))?;
+        }
+        for (p, t) in &cut {
+            out.line(&format!(
+                "{}: truncated {} bytes of a torn record at byte offset {}",
+                p.display(),
+                t.bytes,
+                t.offset
+            ))?;
+        }
     }
     out.flush()?;
     Ok(0)

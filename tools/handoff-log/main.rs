@@ -61,12 +61,18 @@ enum Command {
         run: PathBuf,
         /// The merged file to write (conventionally `*.hrun`).
         out: PathBuf,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
     },
     /// Truncate the torn tail of every stream of a run (the only repair there is: anything
     /// else damaged is an error naming the file and byte offset, and nothing is written).
     Recover {
         /// A run directory or stream file.
         run: PathBuf,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
     },
     /// Fold a run and print a projection.
     Project {
@@ -114,8 +120,8 @@ fn main() -> ExitCode {
             cmd_show::run(&log, handoff.as_deref(), worker.as_deref(), limit, json)
         }
         Command::Project { log, what, json } => cmd_project::run(&log, what, json),
-        Command::Merge { run, out } => cmd_verify::merge(&run, &out),
-        Command::Recover { run } => cmd_verify::recover(&run),
+        Command::Merge { run, out, json } => cmd_verify::merge(&run, &out, json),
+        Command::Recover { run, json } => cmd_verify::recover(&run, json),
         Command::Replay(args) => cmd_replay::run(args),
         Command::Inspect(args) => cmd_inspect::run(&args),
         Command::Timeline(args) => cmd_timeline::run(&args),
