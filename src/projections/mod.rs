@@ -13,4 +13,6 @@ pub mod distribution;
 pub mod metrics;
 
 pub use metrics::{MetricsFold, MetricsReport, PerRequest};
+pub mod at;
+pub mod diff;
 pub mod run;
