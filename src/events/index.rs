@@ -378,6 +378,8 @@ pub struct IndexMeta {
     pub records: u64,
     /// Checkpoints per segment.
     pub checkpoints: Vec<u64>,
+    /// Records of a segment between two checkpoints.
+    pub checkpoint_every: u64,
 }
 
 impl IndexMeta {
@@ -489,13 +491,13 @@ impl RunIndex {
         let layout = RunLayout::open(run)?;
         let path = Self::index_path(run);
         if !path.exists() {
-            let idx = Self::build_layout(&layout, progress)?;
+            let idx = Self::build_layout(&layout, CHECKPOINT_EVERY, progress)?;
             return Ok((idx, IndexStatus::Built));
         }
         match Self::try_open(&layout, &path)? {
             Ok(idx) => Ok((idx, IndexStatus::Fresh)),
             Err(reason) => {
-                let idx = Self::build_layout(&layout, progress)?;
+                let idx = Self::build_layout(&layout, CHECKPOINT_EVERY, progress)?;
                 Ok((idx, IndexStatus::Rebuilt(reason)))
             }
         }
@@ -503,8 +505,18 @@ impl RunIndex {
 
     /// Builds (or rebuilds) the index of `run` from scratch.
     pub fn build(run: impl AsRef<Path>) -> Result<RunIndex, IndexError> {
+        Self::build_every(run, CHECKPOINT_EVERY)
+    }
+
+    /// [`RunIndex::build`] with checkpoints every `checkpoint_every` records of a file (tests
+    /// use small values to exercise checkpoints on small runs). An index keeps its interval
+    /// when reopened.
+    pub fn build_every(
+        run: impl AsRef<Path>,
+        checkpoint_every: u64,
+    ) -> Result<RunIndex, IndexError> {
         let layout = RunLayout::open(run.as_ref())?;
-        Self::build_layout(&layout, &mut |_| {})
+        Self::build_layout(&layout, checkpoint_every.max(1), &mut |_| {})
     }
 
     /// Opens an existing index; `Ok(Err(reason))` when it cannot be trusted.
@@ -566,6 +578,7 @@ impl RunIndex {
 
     fn build_layout(
         layout: &RunLayout,
+        checkpoint_every: u64,
         progress: &mut dyn FnMut(u64),
     ) -> Result<RunIndex, IndexError> {
         let path = Self::index_path(&layout.run);
@@ -637,7 +650,7 @@ impl RunIndex {
                 }
                 in_seg += 1;
                 records += 1;
-                if in_seg % CHECKPOINT_EVERY == 0 {
+                if in_seg % checkpoint_every == 0 {
                     let cp = Checkpoint {
                         segment: si,
                         offset: reader.offset(),
@@ -677,6 +690,7 @@ impl RunIndex {
             monotone,
             records,
             checkpoints,
+            checkpoint_every,
         };
         let json = serde_json::to_vec(&meta).map_err(|e| db_err(&path, e))?;
         db.insert(KEY_META, json).map_err(|e| db_err(&path, e))?;

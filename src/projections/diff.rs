@@ -215,6 +215,8 @@ pub struct DiffReport {
     pub examples: Vec<Difference>,
     pub compared: Compared,
     pub timing: TimingSummary,
+    /// Whether timing differences counted against equivalence.
+    pub strict_timing: bool,
 }
 
 /// A record to re-read for context: its stream and byte offset.
@@ -360,6 +362,7 @@ pub fn diff_runs(
         examples: acc.examples,
         compared: acc.compared,
         timing: acc.timing,
+        strict_timing: opts.strict_timing,
     })
 }
 
@@ -423,9 +426,28 @@ impl Elem {
                 s.request_slots_used,
                 s.decode_headroom_tokens
             ),
-            Elem::Booking(f) => format!("{f:?}"),
+            Elem::Booking(f) => fact_text(f),
         }
     }
+}
+
+/// A fact as `Name key=value ...` (JSON field values, worker ids as text).
+pub fn fact_text(fact: &Fact) -> String {
+    let mut out = fact.name().to_string();
+    if let Ok(serde_json::Value::Object(m)) = serde_json::to_value(fact) {
+        if let Some(serde_json::Value::Object(fields)) = m.values().next() {
+            for (k, v) in fields {
+                out.push(' ');
+                out.push_str(k);
+                out.push('=');
+                match v {
+                    serde_json::Value::String(s) => out.push_str(s),
+                    other => out.push_str(&other.to_string()),
+                }
+            }
+        }
+    }
+    out
 }
 
 fn delta_text(d: &KvDelta) -> String {

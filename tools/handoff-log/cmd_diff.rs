@@ -102,24 +102,34 @@ pub fn text(r: &DiffReport) -> Vec<String> {
     lines.push(String::new());
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
-    t.set_header(vec!["kind", "differences", "first examples"]);
+    t.set_header(vec!["kind", "differences", "fails parity"]);
     for k in DiffKind::ALL {
         let n = r.counts.get(&k).copied().unwrap_or(0);
-        let ex: Vec<String> = r
-            .examples
-            .iter()
-            .filter(|d| d.kind == k)
-            .take(3)
-            .map(|d| format!("{}: {}", d.subject, d.detail))
-            .collect();
-        let label = if k == DiffKind::Timing {
-            format!("{} (±{}%)", k.as_str(), r.timing.tolerance_pct)
+        let (label, fails) = if k == DiffKind::Timing {
+            (
+                format!("{} (±{}%)", k.as_str(), r.timing.tolerance_pct),
+                if r.strict_timing {
+                    "yes"
+                } else {
+                    "no (reported)"
+                },
+            )
         } else {
-            k.as_str().to_string()
+            (k.as_str().to_string(), "yes")
         };
-        t.add_row(vec![label, n.to_string(), ex.join("\n")]);
+        t.add_row(vec![label, n.to_string(), fails.to_string()]);
     }
     lines.push(t.to_string());
+    if !r.examples.is_empty() {
+        lines.push("examples:".into());
+        for d in &r.examples {
+            let mut text = format!("  {} {}: {}", d.kind.as_str(), d.subject, d.detail);
+            if text.chars().count() > 220 {
+                text = text.chars().take(217).collect::<String>() + "...";
+            }
+            lines.push(text);
+        }
+    }
     let c = &r.compared;
     lines.push(format!(
         "compared: {} workers, {} / {} records, {} capacity transitions, {} booking facts, {} handoffs, {} requests, {} timing figures (max {:.1}% apart)",
