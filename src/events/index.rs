@@ -318,6 +318,55 @@ pub fn read_record_at(
     Ok((stream, Record { seq, at_ns, fact }))
 }
 
+/// Reads the records of `stream` in `seg` from byte offset `start` (a record boundary) until
+/// `after` records past the one at `div` have been read, checking checksums but not sequence
+/// numbers. At most `max_frames` frames are read. For printing context around a record.
+pub fn records_around(
+    seg: &Segment,
+    stream: usize,
+    start: u64,
+    div: u64,
+    after: usize,
+    max_frames: usize,
+) -> Result<Vec<(u64, Record)>, LogError> {
+    let path = &seg.path;
+    let mut f = File::open(path).map_err(|e| LogError::io(path, e))?;
+    f.seek(SeekFrom::Start(start))
+        .map_err(|e| LogError::io(path, e))?;
+    let fixed = match seg.kind {
+        SegmentKind::Stream => STREAM_RECORD_FIXED_BYTES,
+        SegmentKind::Merged => MERGED_RECORD_FIXED_BYTES,
+    };
+    let mut frames = FrameReader::new(BufReader::new(f), path.to_path_buf(), start);
+    let mut out = Vec::new();
+    let mut past = 0usize;
+    for _ in 0..max_frames {
+        let Some(offset) = frames.next_frame(fixed)? else {
+            break;
+        };
+        let body = &frames.body;
+        let (s, rest) = match seg.kind {
+            SegmentKind::Stream => (stream, &body[..]),
+            SegmentKind::Merged => (u16::from_le_bytes([body[0], body[1]]) as usize, &body[2..]),
+        };
+        if s != stream {
+            continue;
+        }
+        if offset > div {
+            if past == after {
+                break;
+            }
+            past += 1;
+        }
+        let seq = u64::from_le_bytes(fixed8(&rest[0..8]));
+        let at_ns = u64::from_le_bytes(fixed8(&rest[8..16]));
+        let fact: Fact = codec::decode_exact(&rest[16..])
+            .map_err(|e| frames.corrupt(offset, format!("undecodable fact: {e}")))?;
+        out.push((offset, Record { seq, at_ns, fact }));
+    }
+    Ok(out)
+}
+
 /// What the index remembers of one file, to tell whether it changed since.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileFingerprint {

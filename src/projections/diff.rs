@@ -41,15 +41,18 @@
 //!   finished it, and dropped. A request finishes at its router `RequestFinished` (or the engine's,
 //!   in a run without a router); a handoff once its request finished and it holds nothing.
 
-use crate::events::index::{read_record_at, RunLayout, Segment, SegmentKind, SegmentReader};
-use crate::events::{Fact, KvDelta, LogError, Record, RunReader, StreamHeader, TerminalStatus};
+use crate::events::index::{
+    read_record_at, records_around, RunLayout, Segment, SegmentKind, SegmentReader,
+};
+use crate::events::{Fact, KvDelta, LogError, Record, StreamHeader, TerminalStatus};
 use crate::ids::{CancelReason, EndReason, HandoffId, RequestId, Role, WorkerId};
 use crate::projections::at::{is_booking_fact, RouterBookings};
 use crate::projections::capacity::KvCapacitySnapshot;
 use crate::projections::handoffs::{HandoffEntry, HandoffLedger, HandoffOutcome};
 use serde::ser::SerializeStruct;
 use serde::Serialize;
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 
 /// How to compare.
@@ -63,6 +66,10 @@ pub struct DiffOptions {
     pub context_records: usize,
     /// Differences listed per kind (all are counted).
     pub max_examples: usize,
+    /// Sequence elements one run may get ahead of the other on one worker, while both are
+    /// walked in merge order, before that worker is compared on its own afterwards (a second
+    /// read of its stream in both runs). Bounds memory when the runs' timing drifts apart.
+    pub queue_limit: usize,
 }
 
 impl Default for DiffOptions {
@@ -72,6 +79,7 @@ impl Default for DiffOptions {
             strict_timing: false,
             context_records: 3,
             max_examples: 10,
+            queue_limit: QUEUE_LIMIT,
         }
     }
 }
@@ -211,7 +219,7 @@ pub struct DiffReport {
     /// Differences per kind (every kind present, zeros included).
     pub counts: BTreeMap<DiffKind, u64>,
     pub first: Option<Divergence>,
-    /// Up to `max_examples` differences per kind, in the order found.
+    /// The first `max_examples` differences found per kind, listed by kind and time.
     pub examples: Vec<Difference>,
     pub compared: Compared,
     pub timing: TimingSummary,
@@ -226,11 +234,24 @@ struct RecRef {
     offset: u64,
 }
 
+/// The records to print around a divergence on one side.
+enum Ctx {
+    /// These records.
+    Refs(Vec<RecRef>),
+    /// `stream`'s records from offset `start` to `after` records past the one at `div`.
+    Span {
+        stream: usize,
+        start: u64,
+        div: u64,
+        after: usize,
+    },
+}
+
 /// A candidate first divergence: the difference and record references to print around it.
 struct Candidate {
     diff: Difference,
-    ctx_a: Vec<RecRef>,
-    ctx_b: Vec<RecRef>,
+    ctx_a: Ctx,
+    ctx_b: Ctx,
     div_a: Option<RecRef>,
     div_b: Option<RecRef>,
 }
@@ -268,8 +289,8 @@ impl Acc {
     fn plain(&mut self, diff: Difference) {
         self.add(Candidate {
             diff,
-            ctx_a: Vec::new(),
-            ctx_b: Vec::new(),
+            ctx_a: Ctx::Refs(Vec::new()),
+            ctx_b: Ctx::Refs(Vec::new()),
             div_a: None,
             div_b: None,
         });
@@ -336,9 +357,7 @@ pub fn diff_runs(
         },
         compared: Compared::default(),
     };
-    let mut read = 0u64;
-    compare_streams(&la, &lb, &mut acc, &mut read, progress)?;
-    compare_entities(&la, &lb, &mut acc, &mut read, progress)?;
+    compare_all(&la, &lb, &mut acc, progress)?;
     let first = match acc.first.take() {
         Some(c) => Some(Divergence {
             context_a: resolve(&la, &c.ctx_a, c.div_a)?,
@@ -347,6 +366,8 @@ pub fn diff_runs(
         }),
         None => None,
     };
+    // Listed by kind, then by when each became visible.
+    acc.examples.sort_by_key(|d| (d.kind, d.at_ns()));
     let failing: u64 = acc
         .counts
         .iter()
@@ -372,20 +393,42 @@ fn segment_of(layout: &RunLayout, stream: usize) -> Option<&Segment> {
 
 fn resolve(
     layout: &RunLayout,
-    refs: &[RecRef],
+    ctx: &Ctx,
     div: Option<RecRef>,
 ) -> Result<Vec<ContextRecord>, LogError> {
-    let mut out = Vec::with_capacity(refs.len());
-    for r in refs {
-        let Some(seg) = segment_of(layout, r.stream) else {
-            continue;
-        };
-        let (_, record) = read_record_at(&seg.path, seg.kind, r.offset)?;
-        out.push(ContextRecord {
-            worker: layout.headers[r.stream].worker,
-            record,
-            divergent: Some(*r) == div,
-        });
+    let mut out = Vec::new();
+    match ctx {
+        Ctx::Refs(refs) => {
+            for r in refs {
+                let Some(seg) = segment_of(layout, r.stream) else {
+                    continue;
+                };
+                let (_, record) = read_record_at(&seg.path, seg.kind, r.offset)?;
+                out.push(ContextRecord {
+                    worker: layout.headers[r.stream].worker,
+                    record,
+                    divergent: Some(*r) == div,
+                });
+            }
+        }
+        Ctx::Span {
+            stream,
+            start,
+            div: d,
+            after,
+        } => {
+            let Some(seg) = segment_of(layout, *stream) else {
+                return Ok(out);
+            };
+            // A bounded read: in a merged file other streams' records lie in between.
+            for (offset, record) in records_around(seg, *stream, *start, *d, *after, 1 << 20)? {
+                out.push(ContextRecord {
+                    worker: layout.headers[*stream].worker,
+                    record,
+                    divergent: offset == *d,
+                });
+            }
+        }
     }
     Ok(out)
 }
@@ -471,11 +514,12 @@ fn delta_text(d: &KvDelta) -> String {
     }
 }
 
-/// One side of one worker: its reader, folds, and a ring of recent record offsets.
-struct WorkerSide {
+/// One worker's per-stream folds on one side: snapshot, bookings, and a ring of the offsets of
+/// its last few records (for context).
+struct Track {
     stream: usize,
     worker: WorkerId,
-    reader: Option<SegmentReader>,
+    present: bool,
     capacity: KvCapacitySnapshot,
     bookings: RouterBookings,
     ring: VecDeque<RecRef>,
@@ -485,104 +529,70 @@ struct WorkerSide {
     records: u64,
 }
 
-impl WorkerSide {
-    fn open(layout: &RunLayout, worker: WorkerId, ring_cap: usize) -> Result<Self, LogError> {
+/// One element of a worker's sequence with where it is.
+struct QElem {
+    loc: Location,
+    r: RecRef,
+    /// Offset of the oldest record of the context ring when the element was made.
+    start: u64,
+    elem: Elem,
+}
+
+impl Track {
+    fn new(layout: &RunLayout, worker: WorkerId, ring_cap: usize) -> Self {
         let stream = layout.headers.iter().position(|h| h.worker == worker);
-        let (reader, capacity) = match stream {
-            Some(i) => {
-                let seg = segment_of(layout, i).ok_or_else(|| LogError::EmptyRun {
-                    path: layout.run.clone(),
-                })?;
-                let mut r =
-                    SegmentReader::open_at(seg, seg.data_start, vec![0; layout.headers.len()])?;
-                if seg.kind == SegmentKind::Merged {
-                    r = r.only_stream(i);
-                }
-                (
-                    Some(r),
-                    KvCapacitySnapshot::empty(layout.headers[i].engine.total_blocks as u64),
-                )
-            }
-            None => (None, KvCapacitySnapshot::default()),
-        };
-        Ok(WorkerSide {
+        Track {
             stream: stream.unwrap_or(usize::MAX),
             worker,
-            reader,
-            capacity,
+            present: stream.is_some(),
+            capacity: match stream {
+                Some(i) => KvCapacitySnapshot::empty(layout.headers[i].engine.total_blocks as u64),
+                None => KvCapacitySnapshot::default(),
+            },
             bookings: RouterBookings::new(),
             ring: VecDeque::with_capacity(ring_cap + 1),
             ring_cap,
             last: None,
             last_ref: None,
             records: 0,
-        })
+        }
     }
 
-    /// Reads and folds one record; returns it with the element it adds to the sequence, if any.
-    fn step(&mut self) -> Result<Option<(Record, Option<Elem>)>, LogError> {
-        let Some(reader) = self.reader.as_mut() else {
-            return Ok(None);
-        };
-        let Some((_, rec)) = reader.next_record()? else {
-            return Ok(None);
-        };
+    /// Folds one record of this stream; returns the sequence element it adds, if any.
+    fn observe(&mut self, rec: &Record, offset: u64) -> Option<QElem> {
         let r = RecRef {
             stream: self.stream,
-            offset: reader.last_record_offset(),
+            offset,
         };
         self.records += 1;
         if self.ring.len() == self.ring_cap + 1 {
             self.ring.pop_front();
         }
         self.ring.push_back(r);
-        self.last = Some(Location::of(self.worker, &rec));
+        let loc = Location::of(self.worker, rec);
+        self.last = Some(loc.clone());
         self.last_ref = Some(r);
         let elem = if self.worker.role == Role::Router {
-            if is_booking_fact(&rec.fact) {
-                // A refused booking fact is still an element: the fact itself is compared.
-                let _ = self.bookings.apply(&rec.fact);
-                Some(Elem::Booking(rec.fact.clone()))
-            } else {
-                None
+            if !is_booking_fact(&rec.fact) {
+                return None;
             }
+            // A refused booking fact is still an element: the fact itself is compared.
+            let _ = self.bookings.apply(&rec.fact);
+            Elem::Booking(rec.fact.clone())
         } else {
             let d = rec.fact.kv_delta();
             if d.is_zero() {
-                None
-            } else {
-                let ok = self.capacity.apply(&d).is_ok();
-                Some(Elem::Capacity(self.capacity, ok, d))
+                return None;
             }
+            let ok = self.capacity.apply(&d).is_ok();
+            Elem::Capacity(self.capacity, ok, d)
         };
-        Ok(Some((rec, elem)))
-    }
-
-    /// Advances to the next sequence element.
-    fn next_elem(&mut self) -> Result<Option<(Location, RecRef, Elem)>, LogError> {
-        while let Some((rec, elem)) = self.step()? {
-            if let Some(e) = elem {
-                let r = self.last_ref.unwrap_or(RecRef {
-                    stream: self.stream,
-                    offset: 0,
-                });
-                return Ok(Some((Location::of(self.worker, &rec), r, e)));
-            }
-        }
-        Ok(None)
-    }
-
-    /// Reads the rest of the stream; returns the first `n` record refs read.
-    fn drain(&mut self, n: usize) -> Result<Vec<RecRef>, LogError> {
-        let mut after = Vec::new();
-        while self.step()?.is_some() {
-            if after.len() < n {
-                if let Some(r) = self.last_ref {
-                    after.push(r);
-                }
-            }
-        }
-        Ok(after)
+        Some(QElem {
+            loc,
+            r,
+            start: self.ring.front().map_or(offset, |x| x.offset),
+            elem,
+        })
     }
 
     fn drained(&self) -> bool {
@@ -599,7 +609,7 @@ impl WorkerSide {
     }
 
     fn final_text(&self) -> String {
-        if self.reader.is_none() {
+        if !self.present {
             return "no stream".into();
         }
         if self.worker.role == Role::Router {
@@ -620,139 +630,291 @@ impl WorkerSide {
             )
         }
     }
+
+    /// Context for a divergence at `e` (or, when this side's sequence ended, at its last record).
+    fn ctx(&self, e: Option<&QElem>, after: usize) -> (Ctx, Option<RecRef>) {
+        match e {
+            Some(q) => (
+                Ctx::Span {
+                    stream: q.r.stream,
+                    start: q.start,
+                    div: q.r.offset,
+                    after,
+                },
+                Some(q.r),
+            ),
+            None => (
+                Ctx::Refs(self.ring.iter().copied().collect()),
+                self.last_ref,
+            ),
+        }
+    }
 }
 
-fn compare_streams(
+fn seq_kind(w: WorkerId) -> DiffKind {
+    if w.role == Role::Router {
+        DiffKind::BookingSequence
+    } else {
+        DiffKind::CapacitySequence
+    }
+}
+
+/// The difference at element `index` of worker `w`'s sequence.
+fn seq_divergence(
+    w: WorkerId,
+    index: u64,
+    ea: Option<&QElem>,
+    eb: Option<&QElem>,
+    ta: &Track,
+    tb: &Track,
+    after: usize,
+) -> Candidate {
+    let kind = seq_kind(w);
+    let describe = |e: Option<&QElem>| match e {
+        Some(q) => q.elem.describe(),
+        None => "(sequence ends)".into(),
+    };
+    let detail = format!(
+        "element {index} of the {} sequence: A {}; B {}",
+        if kind == DiffKind::BookingSequence {
+            "booking"
+        } else {
+            "capacity"
+        },
+        describe(ea),
+        describe(eb)
+    );
+    // A side whose sequence ended is located at its last record.
+    let loc = |e: Option<&QElem>, t: &Track| match e {
+        Some(q) => Some(q.loc.clone()),
+        None => t.last.clone(),
+    };
+    let (ctx_a, div_a) = ta.ctx(ea, after);
+    let (ctx_b, div_b) = tb.ctx(eb, after);
+    Candidate {
+        diff: Difference {
+            kind,
+            subject: format!("worker {w}"),
+            a: loc(ea, ta),
+            b: loc(eb, tb),
+            detail,
+        },
+        ctx_a,
+        ctx_b,
+        div_a,
+        div_b,
+    }
+}
+
+/// Reports the final-state difference of worker `w`, if any.
+fn final_state(acc: &mut Acc, w: WorkerId, a: &Track, b: &Track) {
+    let same = if w.role == Role::Router {
+        a.bookings == b.bookings
+    } else {
+        a.capacity == b.capacity
+    };
+    if a.present && b.present && same && a.drained() == b.drained() {
+        return;
+    }
+    let drained = |t: &Track| {
+        if t.drained() {
+            "drained"
+        } else {
+            "NOT drained"
+        }
+    };
+    acc.add(Candidate {
+        diff: Difference {
+            kind: DiffKind::FinalState,
+            subject: format!("worker {w}"),
+            a: a.last.clone(),
+            b: b.last.clone(),
+            detail: format!(
+                "at the end: A {} ({}); B {} ({})",
+                a.final_text(),
+                drained(a),
+                b.final_text(),
+                drained(b)
+            ),
+        },
+        ctx_a: Ctx::Refs(a.ring.iter().copied().collect()),
+        ctx_b: Ctx::Refs(b.ring.iter().copied().collect()),
+        div_a: a.last_ref,
+        div_b: b.last_ref,
+    });
+}
+
+/// One side of one worker read on its own (the fallback when the merge-order walks of the two
+/// runs drift too far apart for this worker; see [`QUEUE_LIMIT`]).
+struct WorkerSide {
+    reader: Option<SegmentReader>,
+    track: Track,
+}
+
+impl WorkerSide {
+    fn open(layout: &RunLayout, worker: WorkerId, ring_cap: usize) -> Result<Self, LogError> {
+        let track = Track::new(layout, worker, ring_cap);
+        let reader = match track.present {
+            true => {
+                let i = track.stream;
+                let seg = segment_of(layout, i).ok_or_else(|| LogError::EmptyRun {
+                    path: layout.run.clone(),
+                })?;
+                let mut r =
+                    SegmentReader::open_at(seg, seg.data_start, vec![0; layout.headers.len()])?;
+                if seg.kind == SegmentKind::Merged {
+                    r = r.only_stream(i);
+                }
+                Some(r)
+            }
+            false => None,
+        };
+        Ok(WorkerSide { reader, track })
+    }
+
+    fn next_elem(&mut self) -> Result<Option<QElem>, LogError> {
+        let Some(reader) = self.reader.as_mut() else {
+            return Ok(None);
+        };
+        while let Some((_, rec)) = reader.next_record()? {
+            if let Some(q) = self.track.observe(&rec, reader.last_record_offset()) {
+                return Ok(Some(q));
+            }
+        }
+        Ok(None)
+    }
+
+    fn drain(&mut self) -> Result<(), LogError> {
+        while self.next_elem()?.is_some() {}
+        Ok(())
+    }
+}
+
+/// Compares one worker's sequence and final state by reading its stream in both runs in
+/// lockstep (memory: one element per side).
+fn compare_worker_lockstep(
     la: &RunLayout,
     lb: &RunLayout,
+    w: WorkerId,
     acc: &mut Acc,
-    read: &mut u64,
-    progress: &mut dyn FnMut(u64),
 ) -> Result<(), LogError> {
-    let workers: BTreeSet<WorkerId> = la
-        .headers
-        .iter()
-        .chain(lb.headers.iter())
-        .map(|h: &StreamHeader| h.worker)
-        .collect();
-    acc.compared.workers = workers.len();
     let c = acc.opts.context_records;
-    for w in workers {
-        let mut a = WorkerSide::open(la, w, c)?;
-        let mut b = WorkerSide::open(lb, w, c)?;
-        let kind = if w.role == Role::Router {
-            DiffKind::BookingSequence
-        } else {
-            DiffKind::CapacitySequence
-        };
-        let base = *read;
-        let mut index = 0u64;
-        let mut diverged: Option<Candidate> = None;
-        loop {
-            let ea = a.next_elem()?;
-            let eb = b.next_elem()?;
-            if index % 262_144 == 0 {
-                progress(base + a.records + b.records);
-            }
-            match (ea, eb) {
-                (None, None) => break,
-                (Some((lx, rx, x)), Some((ly, ry, y))) if x.same(&y) => {
-                    let _ = (lx, rx, ly, ry);
-                    index += 1;
-                }
-                (ea, eb) => {
-                    let describe = |e: &Option<(Location, RecRef, Elem)>| match e {
-                        Some((_, _, x)) => x.describe(),
-                        None => "(sequence ends)".into(),
-                    };
-                    let detail = format!(
-                        "element {index} of the {} sequence: A {}; B {}",
-                        if kind == DiffKind::BookingSequence {
-                            "booking"
-                        } else {
-                            "capacity"
-                        },
-                        describe(&ea),
-                        describe(&eb)
-                    );
-                    // A side whose sequence ended is located at its last record.
-                    let loc = |e: &Option<(Location, RecRef, Elem)>, s: &WorkerSide| match e {
-                        Some((l, _, _)) => Some(l.clone()),
-                        None => s.last.clone(),
-                    };
-                    let dref = |e: &Option<(Location, RecRef, Elem)>, s: &WorkerSide| match e {
-                        Some((_, r, _)) => Some(*r),
-                        None => s.last_ref,
-                    };
-                    diverged = Some(Candidate {
-                        diff: Difference {
-                            kind,
-                            subject: format!("worker {w}"),
-                            a: loc(&ea, &a),
-                            b: loc(&eb, &b),
-                            detail,
-                        },
-                        ctx_a: a.ring.iter().copied().collect(),
-                        ctx_b: b.ring.iter().copied().collect(),
-                        div_a: dref(&ea, &a),
-                        div_b: dref(&eb, &b),
-                    });
-                    break;
-                }
+    let mut a = WorkerSide::open(la, w, c)?;
+    let mut b = WorkerSide::open(lb, w, c)?;
+    let mut index = 0u64;
+    loop {
+        let ea = a.next_elem()?;
+        let eb = b.next_elem()?;
+        match (&ea, &eb) {
+            (None, None) => break,
+            (Some(x), Some(y)) if x.elem.same(&y.elem) => index += 1,
+            _ => {
+                let cand =
+                    seq_divergence(w, index, ea.as_ref(), eb.as_ref(), &a.track, &b.track, c);
+                acc.add(cand);
+                break;
             }
         }
-        let after_a = a.drain(c)?;
-        let after_b = b.drain(c)?;
-        *read = base + a.records + b.records;
-        if kind == DiffKind::CapacitySequence {
-            acc.compared.capacity_transitions += index;
-        } else {
-            acc.compared.booking_facts += index;
-        }
-        acc.compared.records_a += a.records;
-        acc.compared.records_b += b.records;
-        if let Some(mut cand) = diverged {
-            cand.ctx_a.extend(after_a);
-            cand.ctx_b.extend(after_b);
-            acc.add(cand);
-        }
-        let missing = a.reader.is_none() || b.reader.is_none();
-        let same_final = if w.role == Role::Router {
-            a.bookings == b.bookings
-        } else {
-            a.capacity == b.capacity
-        };
-        if missing || !same_final || a.drained() != b.drained() {
-            let drained = |s: &WorkerSide| {
-                if s.drained() {
-                    "drained"
-                } else {
-                    "NOT drained"
-                }
-            };
-            acc.add(Candidate {
-                diff: Difference {
-                    kind: DiffKind::FinalState,
-                    subject: format!("worker {w}"),
-                    a: a.last.clone(),
-                    b: b.last.clone(),
-                    detail: format!(
-                        "at the end: A {} ({}); B {} ({})",
-                        a.final_text(),
-                        drained(&a),
-                        b.final_text(),
-                        drained(&b)
-                    ),
-                },
-                ctx_a: a.ring.iter().copied().collect(),
-                ctx_b: b.ring.iter().copied().collect(),
-                div_a: a.last_ref,
-                div_b: b.last_ref,
-            });
-        }
-        progress(*read);
     }
+    a.drain()?;
+    b.drain()?;
+    count_elements(acc, w, index);
+    final_state(acc, w, &a.track, &b.track);
     Ok(())
+}
+
+fn count_elements(acc: &mut Acc, w: WorkerId, n: u64) {
+    if seq_kind(w) == DiffKind::CapacitySequence {
+        acc.compared.capacity_transitions += n;
+    } else {
+        acc.compared.booking_facts += n;
+    }
+}
+
+/// The default of [`DiffOptions::queue_limit`].
+pub const QUEUE_LIMIT: usize = 1 << 16;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum CmpState {
+    Live,
+    Diverged,
+    /// Too far out of step: compared afterwards by [`compare_worker_lockstep`].
+    Deferred,
+}
+
+/// One worker's sequences being compared as both runs are walked in merge order.
+struct Cmp {
+    worker: WorkerId,
+    qa: VecDeque<QElem>,
+    qb: VecDeque<QElem>,
+    index: u64,
+    state: CmpState,
+}
+
+/// Reads a run's files in merge order (`(at_ns, stream)`, each stream in seq order), like
+/// [`crate::events::RunReader`] but keeping only 16-byte keys in its heap. A merged file is already in merge
+/// order and is read straight through.
+struct MergeReader {
+    readers: Vec<SegmentReader>,
+    heads: Vec<Option<(usize, Record)>>,
+    heap: BinaryHeap<Reverse<(u64, usize, usize)>>,
+    refill: Option<usize>,
+    started: bool,
+    last_offset: u64,
+}
+
+impl MergeReader {
+    fn open(layout: &RunLayout) -> Result<Self, LogError> {
+        let n = layout.headers.len();
+        let mut readers = Vec::new();
+        for seg in &layout.segments {
+            readers.push(SegmentReader::open_at(seg, seg.data_start, vec![0; n])?);
+        }
+        Ok(MergeReader {
+            heads: (0..readers.len()).map(|_| None).collect(),
+            readers,
+            heap: BinaryHeap::new(),
+            refill: None,
+            started: false,
+            last_offset: 0,
+        })
+    }
+
+    fn fill(&mut self, seg: usize) -> Result<(), LogError> {
+        if let Some((stream, rec)) = self.readers[seg].next_record()? {
+            self.heap.push(Reverse((rec.at_ns, stream, seg)));
+            self.heads[seg] = Some((stream, rec));
+        }
+        Ok(())
+    }
+
+    /// The next record, its stream and its byte offset in its file.
+    fn next(&mut self) -> Result<Option<(usize, Record, u64)>, LogError> {
+        if self.readers.len() == 1 {
+            let r = &mut self.readers[0];
+            return Ok(r
+                .next_record()?
+                .map(|(s, rec)| (s, rec, r.last_record_offset())));
+        }
+        if !self.started {
+            self.started = true;
+            for s in 0..self.readers.len() {
+                self.fill(s)?;
+            }
+        }
+        if let Some(s) = self.refill.take() {
+            self.fill(s)?;
+        }
+        let Some(Reverse((_, _, seg))) = self.heap.pop() else {
+            return Ok(None);
+        };
+        let Some((stream, rec)) = self.heads[seg].take() else {
+            return Ok(None);
+        };
+        self.last_offset = self.readers[seg].last_record_offset();
+        self.refill = Some(seg);
+        Ok(Some((stream, rec, self.last_offset)))
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -916,7 +1078,7 @@ struct RDone {
 /// A bounded memory of recently finished ids, so that a straggling fact about one (a duplicate
 /// message, a late acknowledgement) is not taken for a new entry.
 struct Recent<K: std::hash::Hash + Eq + Copy> {
-    set: HashSet<K>,
+    set: HashSet<K, IdBuild>,
     order: VecDeque<K>,
     cap: usize,
 }
@@ -924,7 +1086,7 @@ struct Recent<K: std::hash::Hash + Eq + Copy> {
 impl<K: std::hash::Hash + Eq + Copy> Recent<K> {
     fn new(cap: usize) -> Self {
         Recent {
-            set: HashSet::new(),
+            set: HashSet::default(),
             order: VecDeque::new(),
             cap,
         }
@@ -944,18 +1106,50 @@ impl<K: std::hash::Hash + Eq + Copy> Recent<K> {
     }
 }
 
+/// A fast hasher for the lookup-only maps of ids (never iterated into output): request ids
+/// and UUIDs are already well spread, so a multiply-rotate mix is enough, and SipHash's cost
+/// showed in profiles of 10-million-record diffs.
+#[derive(Default, Clone, Copy)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(b));
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    fn write_usize(&mut self, v: usize) {
+        self.write_u64(v as u64);
+    }
+}
+
+type IdBuild = std::hash::BuildHasherDefault<IdHasher>;
+type IdMap<K, V> = HashMap<K, V, IdBuild>;
+
 /// How many recently finished ids each side remembers.
 const RECENT_IDS: usize = 65_536;
 
 /// One run folded in merge order.
 struct EntitySide {
-    reader: RunReader,
+    reader: MergeReader,
     workers: Vec<WorkerId>,
+    /// Per compared worker (the union of both runs' workers): its sequence folds.
+    tracks: Vec<Track>,
+    /// Per stream of this run: its index in `tracks`.
+    track_of: Vec<usize>,
     has_router: bool,
     ring_cap: usize,
     ledger: HandoffLedger,
-    hopen: HashMap<HandoffId, HOpen>,
-    ropen: HashMap<RequestId, ROpen>,
+    hopen: IdMap<HandoffId, HOpen>,
+    ropen: IdMap<RequestId, ROpen>,
     hdone: Recent<HandoffId>,
     rdone: Recent<RequestId>,
     /// Finished here, not yet finished on the other side.
@@ -976,18 +1170,38 @@ fn push_ring(ring: &mut VecDeque<RecRef>, cap: usize, r: RecRef) {
 }
 
 impl EntitySide {
-    fn open(path: &Path, ring_cap: usize) -> Result<Self, LogError> {
-        let reader = RunReader::open(path)?;
-        let workers: Vec<WorkerId> = reader.headers().iter().map(|h| h.worker).collect();
+    fn open(
+        layout: &RunLayout,
+        all_workers: &[WorkerId],
+        ring_cap: usize,
+        track_ring: usize,
+    ) -> Result<Self, LogError> {
+        let reader = MergeReader::open(layout)?;
+        let workers: Vec<WorkerId> = layout.workers();
         let has_router = workers.iter().any(|w| w.role == Role::Router);
+        let tracks = all_workers
+            .iter()
+            .map(|w| Track::new(layout, *w, track_ring))
+            .collect();
+        let track_of = workers
+            .iter()
+            .map(|w| {
+                all_workers
+                    .iter()
+                    .position(|x| x == w)
+                    .unwrap_or(usize::MAX)
+            })
+            .collect();
         Ok(EntitySide {
             reader,
             workers,
+            tracks,
+            track_of,
             has_router,
             ring_cap: ring_cap.max(1),
             ledger: HandoffLedger::new(),
-            hopen: HashMap::new(),
-            ropen: HashMap::new(),
+            hopen: IdMap::default(),
+            ropen: IdMap::default(),
             hdone: Recent::new(RECENT_IDS),
             rdone: Recent::new(RECENT_IDS),
             awaiting_h: BTreeMap::new(),
@@ -999,18 +1213,23 @@ impl EntitySide {
         })
     }
 
-    fn step(&mut self) -> Result<(), LogError> {
-        let Some((i, rec)) = self.reader.next()? else {
+    /// Reads and folds one record; returns the worker sequence element it made, if any, with
+    /// the worker's index in `tracks`.
+    fn step(&mut self) -> Result<Option<(usize, QElem)>, LogError> {
+        let Some((i, rec, offset)) = self.reader.next()? else {
             self.ended = true;
             self.finish_all();
-            return Ok(());
+            return Ok(None);
         };
         self.records += 1;
         let worker = self.workers[i];
-        let r = RecRef {
-            stream: i,
-            offset: self.reader.last_record_offset().unwrap_or(0),
-        };
+        let r = RecRef { stream: i, offset };
+        let k = self.track_of[i];
+        let elem = self
+            .tracks
+            .get_mut(k)
+            .and_then(|t| t.observe(&rec, offset))
+            .map(|q| (k, q));
         let loc = Location::of(worker, &rec);
         let cap = self.ring_cap;
         // Requests.
@@ -1090,7 +1309,7 @@ impl EntitySide {
                 }
             }
         }
-        Ok(())
+        Ok(elem)
     }
 
     fn finish_request(
@@ -1195,39 +1414,99 @@ impl EntitySide {
     }
 }
 
-fn compare_entities(
+fn compare_all(
     la: &RunLayout,
     lb: &RunLayout,
     acc: &mut Acc,
-    read: &mut u64,
     progress: &mut dyn FnMut(u64),
 ) -> Result<(), LogError> {
-    let c = acc.opts.context_records * 2 + 1;
-    let mut a = EntitySide::open(&la.run, c)?;
-    let mut b = EntitySide::open(&lb.run, c)?;
+    let workers: Vec<WorkerId> = la
+        .headers
+        .iter()
+        .chain(lb.headers.iter())
+        .map(|h: &StreamHeader| h.worker)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    acc.compared.workers = workers.len();
+    let c = acc.opts.context_records;
+    let mut a = EntitySide::open(la, &workers, c * 2 + 1, c)?;
+    let mut b = EntitySide::open(lb, &workers, c * 2 + 1, c)?;
+    let mut cmps: Vec<Cmp> = workers
+        .iter()
+        .map(|w| Cmp {
+            worker: *w,
+            qa: VecDeque::new(),
+            qb: VecDeque::new(),
+            index: 0,
+            state: CmpState::Live,
+        })
+        .collect();
+    let mut queued = [0usize; 2];
+    let limit = acc.opts.queue_limit;
+    let mut read = 0u64;
     loop {
         if a.ended && b.ended {
             break;
         }
-        // Step the side that is behind: the one with fewer entries waiting for the other.
+        // Step the side that is behind: the one with fewer entries and sequence elements
+        // waiting for the other (then the one that read fewer records).
         let step_a = if a.ended {
             false
         } else if b.ended {
             true
         } else {
-            (a.awaiting(), a.records) <= (b.awaiting(), b.records)
+            (a.awaiting() + queued[0], a.records) <= (b.awaiting() + queued[1], b.records)
         };
-        if step_a {
-            a.step()?;
-        } else {
-            b.step()?;
+        let elem = if step_a { a.step()? } else { b.step()? };
+        if let Some((k, q)) = elem {
+            if let Some(cmp) = cmps.get_mut(k) {
+                offer(
+                    cmp,
+                    step_a,
+                    q,
+                    &a.tracks[k],
+                    &b.tracks[k],
+                    acc,
+                    &mut queued,
+                    c,
+                    limit,
+                );
+            }
         }
-        *read += 1;
-        if *read % 262_144 == 0 {
-            progress(*read);
+        read += 1;
+        if read % 262_144 == 0 {
+            progress(read);
         }
         settle(&mut a, &mut b, true, acc);
         settle(&mut b, &mut a, false, acc);
+    }
+    acc.compared.records_a += a.records;
+    acc.compared.records_b += b.records;
+    for (k, cmp) in cmps.iter_mut().enumerate() {
+        let (ta, tb) = (&a.tracks[k], &b.tracks[k]);
+        match cmp.state {
+            CmpState::Deferred => {
+                compare_worker_lockstep(la, lb, cmp.worker, acc)?;
+                continue;
+            }
+            CmpState::Live if !cmp.qa.is_empty() || !cmp.qb.is_empty() => {
+                // One sequence is longer than the other.
+                let cand = seq_divergence(
+                    cmp.worker,
+                    cmp.index,
+                    cmp.qa.front(),
+                    cmp.qb.front(),
+                    ta,
+                    tb,
+                    c,
+                );
+                acc.add(cand);
+            }
+            _ => {}
+        }
+        count_elements(acc, cmp.worker, cmp.index);
+        final_state(acc, cmp.worker, ta, tb);
     }
     // Whatever one side finished and the other never did.
     for (k, d) in std::mem::take(&mut a.awaiting_h) {
@@ -1242,8 +1521,64 @@ fn compare_entities(
     for (k, d) in std::mem::take(&mut b.awaiting_r) {
         report_request(acc, k, None, Some(&d));
     }
-    progress(*read);
+    progress(read);
     Ok(())
+}
+
+/// Adds a sequence element from run A (`from_a`) or B and compares what both runs have.
+#[allow(clippy::too_many_arguments)]
+fn offer(
+    cmp: &mut Cmp,
+    from_a: bool,
+    q: QElem,
+    ta: &Track,
+    tb: &Track,
+    acc: &mut Acc,
+    queued: &mut [usize; 2],
+    c: usize,
+    limit: usize,
+) {
+    if cmp.state != CmpState::Live {
+        return;
+    }
+    if from_a {
+        cmp.qa.push_back(q);
+        queued[0] += 1;
+    } else {
+        cmp.qb.push_back(q);
+        queued[1] += 1;
+    }
+    while !cmp.qa.is_empty() && !cmp.qb.is_empty() {
+        let (Some(x), Some(y)) = (cmp.qa.pop_front(), cmp.qb.pop_front()) else {
+            break;
+        };
+        queued[0] -= 1;
+        queued[1] -= 1;
+        if x.elem.same(&y.elem) {
+            cmp.index += 1;
+            continue;
+        }
+        acc.add(seq_divergence(
+            cmp.worker,
+            cmp.index,
+            Some(&x),
+            Some(&y),
+            ta,
+            tb,
+            c,
+        ));
+        cmp.state = CmpState::Diverged;
+        break;
+    }
+    if cmp.state == CmpState::Live && (cmp.qa.len() > limit || cmp.qb.len() > limit) {
+        cmp.state = CmpState::Deferred;
+    }
+    if cmp.state != CmpState::Live {
+        queued[0] -= cmp.qa.len();
+        queued[1] -= cmp.qb.len();
+        cmp.qa = VecDeque::new();
+        cmp.qb = VecDeque::new();
+    }
 }
 
 /// Matches what `x` just finished against what `y` is waiting with.
@@ -1302,8 +1637,8 @@ fn report_handoff(acc: &mut Acc, k: &HKey, a: Option<&HDone>, b: Option<&HDone>)
             b: b.and_then(|d| d.last.clone()),
             detail,
         },
-        ctx_a: a.map(|d| d.ring.clone()).unwrap_or_default(),
-        ctx_b: b.map(|d| d.ring.clone()).unwrap_or_default(),
+        ctx_a: Ctx::Refs(a.map(|d| d.ring.clone()).unwrap_or_default()),
+        ctx_b: Ctx::Refs(b.map(|d| d.ring.clone()).unwrap_or_default()),
         div_a: a.and_then(|d| d.last_ref),
         div_b: b.and_then(|d| d.last_ref),
     });
@@ -1333,8 +1668,8 @@ fn report_request(acc: &mut Acc, k: RequestId, a: Option<&RDone>, b: Option<&RDo
             b: b.and_then(|d| d.last.clone()),
             detail,
         },
-        ctx_a: a.map(|d| d.ring.clone()).unwrap_or_default(),
-        ctx_b: b.map(|d| d.ring.clone()).unwrap_or_default(),
+        ctx_a: Ctx::Refs(a.map(|d| d.ring.clone()).unwrap_or_default()),
+        ctx_b: Ctx::Refs(b.map(|d| d.ring.clone()).unwrap_or_default()),
         div_a: a.and_then(|d| d.last_ref),
         div_b: b.and_then(|d| d.last_ref),
     });
