@@ -19,6 +19,9 @@ struct Fixture {
     run: PathBuf,
     merged: PathBuf,
     last_at_ns: u64,
+    /// Opened once and shared: sled allows one open handle per database.
+    run_index: RunIndex,
+    merged_index: RunIndex,
 }
 
 /// One generated run (about 12 000 records), indexed with a small checkpoint interval so that
@@ -37,8 +40,8 @@ fn fixture() -> &'static Fixture {
         );
         let merged = dir.path().join("run.hrun");
         write_merged(&run, &merged).unwrap();
-        RunIndex::build_every(&run, 97).unwrap();
-        RunIndex::build_every(&merged, 211).unwrap();
+        let run_index = RunIndex::build_every(&run, 97).unwrap();
+        let merged_index = RunIndex::build_every(&merged, 211).unwrap();
         let mut r = RunReader::open(&run).unwrap();
         let mut last = 0;
         while let Some((_, rec)) = r.next().unwrap() {
@@ -49,6 +52,8 @@ fn fixture() -> &'static Fixture {
             run,
             merged,
             last_at_ns: last,
+            run_index,
+            merged_index,
         }
     })
 }
@@ -76,8 +81,17 @@ fn naive(run: &Path, t: u64) -> (AtReport, Vec<KvCapacitySnapshot>) {
 
 fn check(run: &Path, t: u64) {
     let (want, caps) = naive(run, t);
-    let (idx, _) = RunIndex::open_or_rebuild(run).unwrap();
-    let with = state_at(run, t, Some(&idx), &mut |_| {}).unwrap();
+    let f = fixture();
+    let idx = if run == f.run {
+        &f.run_index
+    } else {
+        &f.merged_index
+    };
+    assert!(
+        idx.meta().checkpoints.iter().sum::<u64>() > 20,
+        "checkpoints are exercised"
+    );
+    let with = state_at(run, t, Some(idx), &mut |_| {}).unwrap();
     let without = state_at(run, t, None, &mut |_| {}).unwrap();
     assert_eq!(with, want, "with index, t={t}");
     assert_eq!(without, want, "without index, t={t}");
@@ -121,8 +135,8 @@ fn edges_and_the_end_match_the_capacity_projection() {
         check(&f.merged, t);
     }
     // After the last record: the same as the whole-run capacity projection.
-    let (idx, _) = RunIndex::open_or_rebuild(&f.run).unwrap();
-    let end = state_at(&f.run, u64::MAX, Some(&idx), &mut |_| {}).unwrap();
+    let idx = &f.run_index;
+    let end = state_at(&f.run, u64::MAX, Some(idx), &mut |_| {}).unwrap();
     let rows = project_capacity(&mut RunReader::open(&f.run).unwrap()).unwrap();
     for row in rows {
         let w = end.workers.iter().find(|w| w.worker == row.worker).unwrap();
@@ -145,7 +159,7 @@ fn edges_and_the_end_match_the_capacity_projection() {
         );
     }
     // Somewhere in the middle something is held (the property is not vacuous).
-    let mid = state_at(&f.run, f.last_at_ns / 2, Some(&idx), &mut |_| {}).unwrap();
+    let mid = state_at(&f.run, f.last_at_ns / 2, Some(idx), &mut |_| {}).unwrap();
     let used: u64 = mid
         .workers
         .iter()

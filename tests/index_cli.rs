@@ -259,3 +259,31 @@ fn a_damaged_index_is_rebuilt_not_trusted() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("router.hlog"));
 }
+
+#[test]
+fn an_index_in_use_elsewhere_is_left_alone_and_readers_scan() {
+    let t = tempfile::tempdir().unwrap();
+    let (plain, indexed) = pair(t.path());
+    let (held, _) = RunIndex::open_or_rebuild(&indexed).unwrap();
+    let out = bin()
+        .arg("at")
+        .arg(&indexed)
+        .args(["--time", "33", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("in use"));
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap(),
+        at_json(&plain, "33")
+    );
+    let h = some_handoffs(&plain)[0].to_string();
+    assert_eq!(
+        show(&plain, &["--handoff", &h]),
+        show(&indexed, &["--handoff", &h])
+    );
+    drop(held);
+    // Still intact: reused, not rebuilt.
+    let v: Value = serde_json::from_str(&stdout(&["index", "--json"], &indexed)).unwrap();
+    assert_eq!(v["status"], "fresh");
+}

@@ -54,6 +54,10 @@ const MERGED_RECORD_FIXED_BYTES: usize = 2 + STREAM_RECORD_FIXED_BYTES;
 pub enum IndexError {
     #[error(transparent)]
     Log(#[from] LogError),
+    /// Another process (or another open handle) holds the index's lock. The index is left
+    /// alone; readers fall back to a scan.
+    #[error("{}: the index is in use by another process", path.display())]
+    Busy { path: PathBuf },
     /// sled refused an operation on an index that was just (re)built: nothing to fall back to.
     #[error("{}: index database error: {reason}", path.display())]
     Db { path: PathBuf, reason: String },
@@ -569,12 +573,17 @@ impl RunIndex {
     }
 
     /// Opens an existing index; `Ok(Err(reason))` when it cannot be trusted.
-    fn try_open(layout: &RunLayout, path: &Path) -> Result<Result<RunIndex, String>, LogError> {
+    fn try_open(layout: &RunLayout, path: &Path) -> Result<Result<RunIndex, String>, IndexError> {
         // sled may panic on some kinds of damage rather than return an error; a damaged index
         // must only ever lead to a rebuild.
         let opened = std::panic::catch_unwind(|| sled::Config::new().path(path).open());
         let db = match opened {
             Ok(Ok(db)) => db,
+            Ok(Err(e)) if e.to_string().contains("could not acquire lock") => {
+                return Err(IndexError::Busy {
+                    path: path.to_path_buf(),
+                })
+            }
             Ok(Err(e)) => return Ok(Err(format!("cannot open: {e}"))),
             Err(_) => return Ok(Err("cannot open: the database is damaged".into())),
         };

@@ -4,7 +4,7 @@ use crate::cmd_index::Progress;
 use crate::out::Out;
 use crate::CliError;
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
-use handoff_ledger::events::index::{IndexStatus, RunIndex};
+use handoff_ledger::events::index::{IndexError, IndexStatus, RunIndex};
 use handoff_ledger::projections::at::{parse_time, state_at, AtReport};
 use std::path::Path;
 
@@ -12,11 +12,19 @@ pub fn run(log: &Path, time: &str, json: bool) -> Result<u8, CliError> {
     let t_ns = parse_time(time).map_err(|e| CliError::new(2, format!("--time: {e}")))?;
     // An index is used when present, and only after it was checked against the run.
     let index = if RunIndex::exists(log) {
-        let (idx, status) = RunIndex::open_or_rebuild(log)?;
-        if let IndexStatus::Rebuilt(why) = &status {
-            eprintln!("handoff-log: index was stale and has been rebuilt ({why})");
+        match RunIndex::open_or_rebuild(log) {
+            Ok((idx, status)) => {
+                if let IndexStatus::Rebuilt(why) = &status {
+                    eprintln!("handoff-log: index was stale and has been rebuilt ({why})");
+                }
+                Some(idx)
+            }
+            Err(e @ IndexError::Busy { .. }) => {
+                eprintln!("handoff-log: {e}; reading without it");
+                None
+            }
+            Err(e) => return Err(e.into()),
         }
-        Some(idx)
     } else {
         None
     };

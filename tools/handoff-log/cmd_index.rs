@@ -3,7 +3,7 @@
 
 use crate::out::Out;
 use crate::CliError;
-use handoff_ledger::events::index::{IndexStatus, RunIndex, RunLayout, SegmentReader};
+use handoff_ledger::events::index::{IndexError, IndexStatus, RunIndex, RunLayout, SegmentReader};
 use handoff_ledger::events::Record;
 use handoff_ledger::ids::{HandoffId, WorkerId};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -102,7 +102,14 @@ pub fn indexed_show(
     if (handoff.is_none() && worker.is_none()) || !RunIndex::exists(log) {
         return Ok(false);
     }
-    let (idx, status) = RunIndex::open_or_rebuild(log)?;
+    let (idx, status) = match RunIndex::open_or_rebuild(log) {
+        Ok(x) => x,
+        Err(e @ IndexError::Busy { .. }) => {
+            eprintln!("handoff-log: {e}; reading without it");
+            return Ok(false);
+        }
+        Err(e) => return Err(e.into()),
+    };
     if let IndexStatus::Rebuilt(why) = &status {
         eprintln!("handoff-log: index was stale and has been rebuilt ({why})");
     }
