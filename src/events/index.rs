@@ -7,7 +7,7 @@
 //! - the run's **layout**: workers in canonical order, the files read ("segments": one per stream
 //!   file of a directory, or the one merged / stream file), where each file's records start, and
 //!   whether each stream's `at_ns` never decreases (the precondition for seeking by time);
-//! - **postings**: HandoffId → (file, byte offset, stream, seq, at_ns) of every record about that
+//! - **postings**: HandoffId → (file, byte offset) of every record about that
 //!   handoff, and the same for request ids;
 //! - **time marks**: every [`TIME_MARK_EVERY`] records of a stream, (worker, at_ns, seq) → offset;
 //! - **checkpoints**: every [`CHECKPOINT_EVERY`] records of a segment, the per-stream fold states
@@ -36,15 +36,16 @@ use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 /// Bumped whenever what the index stores changes; an index of another version is rebuilt.
-pub const INDEX_FORMAT: u32 = 1;
+pub const INDEX_FORMAT: u32 = 2;
 /// Records of a segment between two checkpoints: `at` reads at most this many records per
 /// segment after loading a checkpoint.
 pub const CHECKPOINT_EVERY: u64 = 16_384;
 /// Records of a stream between two time marks.
 pub const TIME_MARK_EVERY: u64 = 4_096;
-/// Postings are written to sled in batches of this many keys, so memory stays bounded while
-/// building.
-const BATCH_KEYS: usize = 200_000;
+/// Postings are gathered per id in memory and written to sled after this many, one key per id
+/// and flush (`tag id flush_no → packed list`): memory stays bounded while building and sled
+/// holds about one key per id instead of one per record.
+const FLUSH_POSTINGS: usize = 1_000_000;
 
 /// Bytes of a merged record body before the fact: stream(u16) + seq(u64) + at_ns(u64).
 const MERGED_RECORD_FIXED_BYTES: usize = 2 + STREAM_RECORD_FIXED_BYTES;
@@ -455,14 +456,68 @@ pub struct Checkpoint {
     pub states: Vec<StreamFold>,
 }
 
-/// Where one record is.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// Where one record is: a file of the run (index into [`IndexMeta::segments`]) and the byte
+/// offset of the record in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Posting {
     pub segment: u16,
     pub offset: u64,
-    pub stream: u16,
-    pub seq: u64,
-    pub at_ns: u64,
+}
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn get_varint(b: &[u8], i: &mut usize) -> Option<u64> {
+    let mut v = 0u64;
+    for shift in (0..64).step_by(7) {
+        let byte = *b.get(*i)?;
+        *i += 1;
+        v |= ((byte & 0x7f) as u64) << shift;
+        if byte < 0x80 {
+            return Some(v);
+        }
+    }
+    None
+}
+
+/// Postings of one id being gathered: a packed list (segment varint, offset varint, the
+/// offset a delta from the previous posting's when the segment is the same).
+#[derive(Default)]
+struct PackedPostings {
+    bytes: Vec<u8>,
+    last: Option<(u16, u64)>,
+}
+
+impl PackedPostings {
+    fn push(&mut self, segment: u16, offset: u64) {
+        put_varint(&mut self.bytes, segment as u64);
+        match self.last {
+            Some((s, o)) if s == segment && offset >= o => put_varint(&mut self.bytes, offset - o),
+            _ => put_varint(&mut self.bytes, offset),
+        }
+        self.last = Some((segment, offset));
+    }
+}
+
+fn unpack_postings(b: &[u8], out: &mut Vec<Posting>) -> Option<()> {
+    let mut i = 0;
+    let mut last: Option<(u16, u64)> = None;
+    while i < b.len() {
+        let segment = u16::try_from(get_varint(b, &mut i)?).ok()?;
+        let v = get_varint(b, &mut i)?;
+        let offset = match last {
+            Some((s, o)) if s == segment => o.checked_add(v)?,
+            _ => v,
+        };
+        out.push(Posting { segment, offset });
+        last = Some((segment, offset));
+    }
+    Some(())
 }
 
 /// Why an index was (re)built rather than used as found.
@@ -486,21 +541,44 @@ pub struct RunIndex {
 const KEY_META: &[u8] = b"meta:layout";
 const KEY_COMPLETE: &[u8] = b"meta:complete";
 
-fn posting_key(tag: u8, id: &[u8], seg: u16, offset: u64) -> Vec<u8> {
-    let mut k = Vec::with_capacity(1 + id.len() + 10);
-    k.push(tag);
-    k.extend_from_slice(id);
-    k.extend_from_slice(&seg.to_be_bytes());
-    k.extend_from_slice(&offset.to_be_bytes());
+/// `tag` (`h` handoff, `r` request) and the id's bytes (16 for a UUID, 8 big-endian for a
+/// request id, zero-padded).
+type PostingId = (u8, [u8; 16]);
+
+fn handoff_pid(h: HandoffId) -> PostingId {
+    (b'h', *h.0.as_bytes())
+}
+
+fn request_pid(r: RequestId) -> PostingId {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&r.0.to_be_bytes());
+    (b'r', b)
+}
+
+fn posting_prefix(pid: &PostingId) -> Vec<u8> {
+    let len = if pid.0 == b'h' { 16 } else { 8 };
+    let mut k = Vec::with_capacity(1 + len + 4);
+    k.push(pid.0);
+    k.extend_from_slice(&pid.1[..len]);
     k
 }
 
-fn posting_value(stream: u16, seq: u64, at_ns: u64) -> [u8; 18] {
-    let mut v = [0u8; 18];
-    v[0..2].copy_from_slice(&stream.to_be_bytes());
-    v[2..10].copy_from_slice(&seq.to_be_bytes());
-    v[10..18].copy_from_slice(&at_ns.to_be_bytes());
-    v
+/// Writes the gathered postings, one key per id: `prefix flush_no(u32 BE)`.
+fn flush_postings(
+    db: &sled::Db,
+    path: &Path,
+    pending: &mut std::collections::HashMap<PostingId, PackedPostings>,
+    flush_no: &mut u32,
+) -> Result<(), IndexError> {
+    let mut batch = sled::Batch::default();
+    for (pid, packed) in pending.drain() {
+        let mut k = posting_prefix(&pid);
+        k.extend_from_slice(&flush_no.to_be_bytes());
+        batch.insert(k, packed.bytes);
+    }
+    db.apply_batch(batch).map_err(|e| db_err(path, e))?;
+    *flush_no += 1;
+    Ok(())
 }
 
 fn checkpoint_key(seg: u16, max_at_ns: u64, ordinal: u64) -> Vec<u8> {
@@ -656,7 +734,10 @@ impl RunIndex {
         let mut fingerprints = Vec::new();
         let mut checkpoints = Vec::new();
         let mut batch = sled::Batch::default();
-        let mut batched = 0usize;
+        let mut pending: std::collections::HashMap<PostingId, PackedPostings> =
+            std::collections::HashMap::new();
+        let mut pending_n = 0usize;
+        let mut flush_no = 0u32;
         for (si, seg) in layout.segments.iter().enumerate() {
             let seg16 = si as u16;
             let mut states: Vec<StreamFold> = seg
@@ -686,14 +767,19 @@ impl RunIndex {
                 if let Some(st) = states.get_mut(k) {
                     st.apply(&rec);
                 }
-                let v = posting_value(stream as u16, rec.seq, rec.at_ns);
                 if let Some(h) = rec.fact.handoff() {
-                    batch.insert(posting_key(b'h', h.0.as_bytes(), seg16, offset), &v[..]);
-                    batched += 1;
+                    pending
+                        .entry(handoff_pid(h))
+                        .or_default()
+                        .push(seg16, offset);
+                    pending_n += 1;
                 }
                 if let Some(r) = rec.fact.request() {
-                    batch.insert(posting_key(b'r', &r.0.to_be_bytes(), seg16, offset), &v[..]);
-                    batched += 1;
+                    pending
+                        .entry(request_pid(r))
+                        .or_default()
+                        .push(seg16, offset);
+                    pending_n += 1;
                 }
                 if rec.seq % TIME_MARK_EVERY == 0 {
                     let mut key = vec![b't'];
@@ -704,7 +790,6 @@ impl RunIndex {
                     val.extend_from_slice(&seg16.to_be_bytes());
                     val.extend_from_slice(&offset.to_be_bytes());
                     batch.insert(key, val);
-                    batched += 1;
                 }
                 in_seg += 1;
                 records += 1;
@@ -722,14 +807,14 @@ impl RunIndex {
                         reason,
                     })?;
                     batch.insert(checkpoint_key(seg16, max_at, ordinal), blob);
-                    batched += 1;
                     ordinal += 1;
                     progress(records);
                 }
-                if batched >= BATCH_KEYS {
+                if pending_n >= FLUSH_POSTINGS {
+                    flush_postings(&db, &path, &mut pending, &mut flush_no)?;
                     db.apply_batch(std::mem::take(&mut batch))
                         .map_err(|e| db_err(&path, e))?;
-                    batched = 0;
+                    pending_n = 0;
                 }
             }
             checkpoints.push(ordinal);
@@ -739,6 +824,7 @@ impl RunIndex {
                 last_offset,
             )?);
         }
+        flush_postings(&db, &path, &mut pending, &mut flush_no)?;
         db.apply_batch(batch).map_err(|e| db_err(&path, e))?;
         let meta = IndexMeta {
             format: INDEX_FORMAT,
@@ -769,62 +855,50 @@ impl RunIndex {
         &self.path
     }
 
-    fn postings(&self, tag: u8, id: &[u8]) -> Result<Vec<Posting>, IndexError> {
-        let mut prefix = vec![tag];
-        prefix.extend_from_slice(id);
+    fn postings(&self, pid: PostingId) -> Result<Vec<Posting>, IndexError> {
+        let prefix = posting_prefix(&pid);
         let mut out = Vec::new();
         for kv in self.db.scan_prefix(&prefix) {
             let (k, v) = kv.map_err(|e| db_err(&self.path, e))?;
-            let k = &k[prefix.len()..];
-            if k.len() != 10 || v.len() != 18 {
-                return Err(db_err(&self.path, "malformed posting"));
+            if k.len() != prefix.len() + 4 || unpack_postings(&v, &mut out).is_none() {
+                return Err(db_err(&self.path, "malformed posting list"));
             }
-            out.push(Posting {
-                segment: u16::from_be_bytes([k[0], k[1]]),
-                offset: u64::from_be_bytes(fixed8(&k[2..10])),
-                stream: u16::from_be_bytes([v[0], v[1]]),
-                seq: u64::from_be_bytes(fixed8(&v[2..10])),
-                at_ns: u64::from_be_bytes(fixed8(&v[10..18])),
-            });
         }
+        out.sort();
         Ok(out)
     }
 
-    /// Every record about `handoff`, ordered as the run's merge order would yield them (for a
-    /// run whose streams are all time-ordered; see [`IndexMeta::all_monotone`]).
+    /// Where every record about `handoff` is (by file and offset; [`RunIndex::read_postings`]
+    /// puts them in merge order).
     pub fn offsets_for_handoff(&self, handoff: HandoffId) -> Result<Vec<Posting>, IndexError> {
-        let mut p = self.postings(b'h', handoff.0.as_bytes())?;
-        self.sort_merge_order(&mut p);
-        Ok(p)
+        self.postings(handoff_pid(handoff))
     }
 
-    /// Every record naming `request` ([`Fact::request`]), in merge order.
+    /// Where every record naming `request` ([`Fact::request`]) is.
     pub fn offsets_for_request(&self, request: RequestId) -> Result<Vec<Posting>, IndexError> {
-        let mut p = self.postings(b'r', &request.0.to_be_bytes())?;
-        self.sort_merge_order(&mut p);
-        Ok(p)
+        self.postings(request_pid(request))
     }
 
-    fn sort_merge_order(&self, p: &mut [Posting]) {
-        // A merged file is stored in merge order; a directory's streams merge by
-        // (at_ns, stream), each stream in seq order.
-        p.sort_by_key(|x| (x.at_ns, x.stream, x.seq, x.segment, x.offset));
-        if self.meta.segments.len() == 1 {
-            p.sort_by_key(|x| x.offset);
-        }
-    }
-
-    /// Reads the records the postings point at.
+    /// Reads the records the postings point at, in the run's merge order: a merged file's own
+    /// order, or for a directory `(at_ns, stream, seq)` — exact when every stream is
+    /// time-ordered ([`IndexMeta::all_monotone`]). Returns each record's stream index.
     pub fn read_postings(&self, postings: &[Posting]) -> Result<Vec<(usize, Record)>, IndexError> {
         let mut out = Vec::with_capacity(postings.len());
         for p in postings {
             let Some(seg) = self.meta.segments.get(p.segment as usize) else {
                 return Err(db_err(&self.path, "posting names an unknown segment"));
             };
-            let (_, rec) = read_record_at(&seg.path, seg.kind, p.offset)?;
-            out.push((p.stream as usize, rec));
+            let (stream, rec) = read_record_at(&seg.path, seg.kind, p.offset)?;
+            let stream = match stream {
+                Some(s) => s,
+                None => seg.streams.first().copied().unwrap_or(0),
+            };
+            out.push((p.segment, p.offset, stream, rec));
         }
-        Ok(out)
+        if self.meta.segments.len() > 1 {
+            out.sort_by_key(|(_, _, stream, rec)| (rec.at_ns, *stream, rec.seq));
+        }
+        Ok(out.into_iter().map(|(_, _, s, r)| (s, r)).collect())
     }
 
     /// The latest checkpoint of `segment` whose records all happened at or before `t_ns`.
