@@ -20,10 +20,8 @@ use handoff_ledger::projections::run::project_capacity;
 use support::{generate, GenConfig};
 
 fn main() {
-    let requests: u64 = std::env::var("FOLD_BENCH_REQUESTS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(20_000);
+    let requests: u64 =
+        std::env::var("FOLD_BENCH_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
     let dir = tempfile::tempdir().expect("temp dir");
     let cfg = GenConfig {
         requests,
@@ -35,13 +33,7 @@ fn main() {
     let a = dir.path().join("a");
     let b = dir.path().join("b");
     let records = generate(&a, &cfg);
-    generate(
-        &b,
-        &GenConfig {
-            id_seed: cfg.id_seed + 1,
-            ..cfg.clone()
-        },
-    );
+    generate(&b, &GenConfig { id_seed: cfg.id_seed + 1, ..cfg.clone() });
     eprintln!("generated two runs of {records} records each");
     let mut c = Criterion::default().configure_from_args().sample_size(10);
     {

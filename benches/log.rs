@@ -9,9 +9,7 @@
 
 use criterion::measurement::{Measurement, ValueFormatter, WallTime};
 use criterion::{black_box, Criterion, Throughput};
-use handoff_ledger::events::{
-    EngineShape, Fact, KvDelta, StreamHeader, StreamReader, StreamWriter,
-};
+use handoff_ledger::events::{EngineShape, Fact, KvDelta, StreamHeader, StreamReader, StreamWriter};
 use handoff_ledger::ids::{Backend, ClockDomain, HandoffPolicy, RequestId, WorkerId};
 use std::io::Cursor;
 
@@ -163,9 +161,8 @@ fn bench<M: Measurement>(c: &mut Criterion<M>) {
 fn main() {
     if std::env::var_os("LOG_BENCH_CPU_TIME").is_some() {
         eprintln!("measuring thread CPU time");
-        let mut c = Criterion::default()
-            .with_measurement(ThreadCpuTime { wall: WallTime })
-            .configure_from_args();
+        let mut c =
+            Criterion::default().with_measurement(ThreadCpuTime { wall: WallTime }).configure_from_args();
         bench(&mut c);
         c.final_summary();
     } else {

@@ -30,9 +30,7 @@ impl std::str::FromStr for HandoffId {
 /// One incarnation of a worker process. A restarted worker gets a higher generation, and every
 /// message it sends carries it, so messages from an older incarnation can be told apart and
 /// rejected.
-#[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
-)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Generation(pub u32);
 
 /// A source pin, minted by the prefill core when terminal prefill ownership becomes held.
@@ -44,9 +42,7 @@ pub struct SourceLeaseId(pub u64);
 pub struct DestinationReservationId(pub u64);
 
 /// A request as the trace and the router know it (the trace line index in replay).
-#[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
-)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct RequestId(pub u64);
 
 impl fmt::Display for RequestId {
@@ -105,12 +101,7 @@ impl Serialize for WorkerId {
         if s.is_human_readable() {
             s.collect_str(self)
         } else {
-            WorkerIdWire {
-                role: self.role,
-                index: self.index,
-                dp_rank: self.dp_rank,
-            }
-            .serialize(s)
+            WorkerIdWire { role: self.role, index: self.index, dp_rank: self.dp_rank }.serialize(s)
         }
     }
 }
@@ -122,42 +113,22 @@ impl<'de> Deserialize<'de> for WorkerId {
             text.parse().map_err(serde::de::Error::custom)
         } else {
             let w = WorkerIdWire::deserialize(d)?;
-            Ok(WorkerId {
-                role: w.role,
-                index: w.index,
-                dp_rank: w.dp_rank,
-            })
+            Ok(WorkerId { role: w.role, index: w.index, dp_rank: w.dp_rank })
         }
     }
 }
 
 impl WorkerId {
-    pub const ROUTER: WorkerId = WorkerId {
-        role: Role::Router,
-        index: 0,
-        dp_rank: 0,
-    };
+    pub const ROUTER: WorkerId = WorkerId { role: Role::Router, index: 0, dp_rank: 0 };
 
     pub fn prefill(index: u32) -> Self {
-        WorkerId {
-            role: Role::Prefill,
-            index,
-            dp_rank: 0,
-        }
+        WorkerId { role: Role::Prefill, index, dp_rank: 0 }
     }
     pub fn decode(index: u32) -> Self {
-        WorkerId {
-            role: Role::Decode,
-            index,
-            dp_rank: 0,
-        }
+        WorkerId { role: Role::Decode, index, dp_rank: 0 }
     }
     pub fn aggregated(index: u32) -> Self {
-        WorkerId {
-            role: Role::Aggregated,
-            index,
-            dp_rank: 0,
-        }
+        WorkerId { role: Role::Aggregated, index, dp_rank: 0 }
     }
 }
 
@@ -194,17 +165,9 @@ impl std::str::FromStr for WorkerId {
             Some((i, r)) => (i, r),
             None => (rest, "0"),
         };
-        let index = index
-            .parse()
-            .map_err(|_| format!("worker `{s}`: bad index `{index}`"))?;
-        let dp_rank = rank
-            .parse()
-            .map_err(|_| format!("worker `{s}`: bad rank `{rank}`"))?;
-        Ok(WorkerId {
-            role,
-            index,
-            dp_rank,
-        })
+        let index = index.parse().map_err(|_| format!("worker `{s}`: bad index `{index}`"))?;
+        let dp_rank = rank.parse().map_err(|_| format!("worker `{s}`: bad rank `{rank}`"))?;
+        Ok(WorkerId { role, index, dp_rank })
     }
 }
 
@@ -286,6 +249,8 @@ pub enum CancelReason {
     OwnerLost,
     /// The run ended with the handoff unresolved (replay teardown).
     Teardown,
+    /// A deadline passed (a destination reservation's waiting timeout, a bootstrap timeout).
+    Expired,
 }
 
 impl CancelReason {
@@ -298,6 +263,7 @@ impl CancelReason {
             CancelReason::PeerLost => "peer-lost",
             CancelReason::OwnerLost => "owner-lost",
             CancelReason::Teardown => "teardown",
+            CancelReason::Expired => "expired",
         }
     }
 }
@@ -332,9 +298,7 @@ pub struct IdMint {
 
 impl IdMint {
     pub fn from_seed(seed: u64) -> Self {
-        IdMint {
-            rng: ChaCha8Rng::seed_from_u64(seed),
-        }
+        IdMint { rng: ChaCha8Rng::seed_from_u64(seed) }
     }
 
     /// A version-4-shaped UUID whose 122 random bits come from the seeded stream.
@@ -358,11 +322,7 @@ mod tests {
         for w in [
             WorkerId::prefill(0),
             WorkerId::decode(12),
-            WorkerId {
-                role: Role::Aggregated,
-                index: 3,
-                dp_rank: 2,
-            },
+            WorkerId { role: Role::Aggregated, index: 3, dp_rank: 2 },
             WorkerId::ROUTER,
         ] {
             assert_eq!(w.to_string().parse::<WorkerId>().unwrap(), w);
@@ -372,10 +332,7 @@ mod tests {
             let mut bin = Vec::new();
             crate::events::codec::encode_into(&w, &mut bin).unwrap();
             assert_eq!(bin.len(), 3, "role, index and rank as varints");
-            assert_eq!(
-                crate::events::codec::decode_exact::<WorkerId>(&bin).unwrap(),
-                w
-            );
+            assert_eq!(crate::events::codec::decode_exact::<WorkerId>(&bin).unwrap(), w);
         }
         assert!("bogus-1".parse::<WorkerId>().is_err());
         assert!("prefill-x".parse::<WorkerId>().is_err());

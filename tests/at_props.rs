@@ -31,13 +31,7 @@ fn fixture() -> &'static Fixture {
     F.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
         let run = dir.path().join("run");
-        generate(
-            &run,
-            &GenConfig {
-                requests: 400,
-                ..GenConfig::default()
-            },
-        );
+        generate(&run, &GenConfig { requests: 400, ..GenConfig::default() });
         let merged = dir.path().join("run.hrun");
         write_merged(&run, &merged).unwrap();
         let run_index = RunIndex::build_every(&run, 97).unwrap();
@@ -47,14 +41,7 @@ fn fixture() -> &'static Fixture {
         while let Some((_, rec)) = r.next().unwrap() {
             last = last.max(rec.at_ns);
         }
-        Fixture {
-            _dir: dir,
-            run,
-            merged,
-            last_at_ns: last,
-            run_index,
-            merged_index,
-        }
+        Fixture { _dir: dir, run, merged, last_at_ns: last, run_index, merged_index }
     })
 }
 
@@ -64,10 +51,8 @@ fn naive(run: &Path, t: u64) -> (AtReport, Vec<KvCapacitySnapshot>) {
     let mut r = RunReader::open(run).unwrap();
     let headers = r.headers().to_vec();
     let mut folds: Vec<StreamFold> = headers.iter().map(StreamFold::new).collect();
-    let mut caps: Vec<KvCapacitySnapshot> = headers
-        .iter()
-        .map(|h| KvCapacitySnapshot::empty(h.engine.total_blocks as u64))
-        .collect();
+    let mut caps: Vec<KvCapacitySnapshot> =
+        headers.iter().map(|h| KvCapacitySnapshot::empty(h.engine.total_blocks as u64)).collect();
     while let Some((i, rec)) = r.next().unwrap() {
         if rec.at_ns <= t {
             folds[i].apply(&rec);
@@ -82,15 +67,8 @@ fn naive(run: &Path, t: u64) -> (AtReport, Vec<KvCapacitySnapshot>) {
 fn check(run: &Path, t: u64) {
     let (want, caps) = naive(run, t);
     let f = fixture();
-    let idx = if run == f.run {
-        &f.run_index
-    } else {
-        &f.merged_index
-    };
-    assert!(
-        idx.meta().checkpoints.iter().sum::<u64>() > 20,
-        "checkpoints are exercised"
-    );
+    let idx = if run == f.run { &f.run_index } else { &f.merged_index };
+    assert!(idx.meta().checkpoints.iter().sum::<u64>() > 20, "checkpoints are exercised");
     let with = state_at(run, t, Some(idx), &mut |_| {}).unwrap();
     let without = state_at(run, t, None, &mut |_| {}).unwrap();
     assert_eq!(with, want, "with index, t={t}");
@@ -99,10 +77,7 @@ fn check(run: &Path, t: u64) {
         if let Some(view) = &w.capacity {
             assert_eq!(view.active_blocks, c.active_blocks);
             assert_eq!(view.pinned_source_blocks, c.pinned_source_blocks);
-            assert_eq!(
-                view.reserved_destination_blocks,
-                c.reserved_destination_blocks
-            );
+            assert_eq!(view.reserved_destination_blocks, c.reserved_destination_blocks);
             assert_eq!(view.free_blocks, c.free_blocks);
             assert_eq!(view.cached_free_blocks, c.cached_free_blocks);
         }
@@ -160,12 +135,7 @@ fn edges_and_the_end_match_the_capacity_projection() {
     }
     // Somewhere in the middle something is held (the property is not vacuous).
     let mid = state_at(&f.run, f.last_at_ns / 2, Some(idx), &mut |_| {}).unwrap();
-    let used: u64 = mid
-        .workers
-        .iter()
-        .filter_map(|w| w.capacity)
-        .map(|c| c.kv_used_blocks)
-        .sum();
+    let used: u64 = mid.workers.iter().filter_map(|w| w.capacity).map(|c| c.kv_used_blocks).sum();
     let booked: u64 = mid
         .workers
         .iter()

@@ -34,68 +34,33 @@ fn write_scenario(dir: &Path) {
     let r = WorkerId::ROUTER;
     let h = HandoffId(uuid::Uuid::from_u128(HANDOFF));
     let req = RequestId(0);
-    let demand = KvHandoffDemand {
-        context_tokens: 256,
-        max_output_tokens: 8,
-    };
+    let demand = KvHandoffDemand { context_tokens: 256, max_output_tokens: 8 };
     let lease = SourceLeaseId(1);
     let res = DestinationReservationId(1);
     let mut w = RunWriter::create(dir, [header(p, 16), header(d, 16), header(r, 0)]).unwrap();
     let z = KvDelta::ZERO;
     let ms = |v: u64| v * 1_000_000;
-    w.append(
-        r,
-        0,
-        &Fact::RequestArrived {
-            request: req,
-            input_tokens: 256,
-            output_tokens: 8,
-        },
-    )
-    .unwrap();
-    w.append(
-        r,
-        0,
-        &Fact::PrefillBooked {
-            request: req,
-            worker: p,
-            prefill_tokens: 256,
-            blocks: 4,
-        },
-    )
-    .unwrap();
+    w.append(r, 0, &Fact::RequestArrived { request: req, input_tokens: 256, output_tokens: 8 }).unwrap();
+    w.append(r, 0, &Fact::PrefillBooked { request: req, worker: p, prefill_tokens: 256, blocks: 4 }).unwrap();
     w.append(
         p,
         0,
-        &Fact::HandoffStarted {
-            handoff: h,
-            request: req,
-            policy: HandoffPolicy::SourceFirst,
-            demand,
-        },
+        &Fact::HandoffStarted { handoff: h, request: req, policy: HandoffPolicy::SourceFirst, demand },
     )
     .unwrap();
-    w.append(p, 0, &Fact::PrefillDispatched { handoff: h })
-        .unwrap();
-    w.append(p, 0, &Fact::RequestQueued { request: req })
-        .unwrap();
+    w.append(p, 0, &Fact::PrefillDispatched { handoff: h }).unwrap();
+    w.append(p, 0, &Fact::RequestQueued { request: req }).unwrap();
     w.append(
         p,
         ms(1),
         &Fact::RequestScheduled {
             request: req,
             cached_tokens: 0,
-            kv: KvDelta {
-                free: -4,
-                active: 4,
-                slots: 1,
-                ..z
-            },
+            kv: KvDelta { free: -4, active: 4, slots: 1, ..z },
         },
     )
     .unwrap();
-    w.append(p, ms(20), &Fact::FirstTokenEmitted { request: req })
-        .unwrap();
+    w.append(p, ms(20), &Fact::FirstTokenEmitted { request: req }).unwrap();
     w.append(
         p,
         ms(20),
@@ -105,54 +70,19 @@ fn write_scenario(dir: &Path) {
             lease,
             blocks: 4,
             deadline_ns: ms(480_020),
-            kv: KvDelta {
-                active: -4,
-                pinned_source: 4,
-                slots: -1,
-                ..z
-            },
+            kv: KvDelta { active: -4, pinned_source: 4, slots: -1, ..z },
         },
     )
     .unwrap();
-    w.append(
-        r,
-        ms(20),
-        &Fact::PrefillComputeDone {
-            request: req,
-            worker: p,
-        },
-    )
-    .unwrap();
-    w.append(
-        r,
-        ms(20),
-        &Fact::DecodeBooked {
-            request: req,
-            worker: d,
-            blocks: 5,
-        },
-    )
-    .unwrap();
+    w.append(r, ms(20), &Fact::PrefillComputeDone { request: req, worker: p }).unwrap();
+    w.append(r, ms(20), &Fact::DecodeBooked { request: req, worker: d, blocks: 5 }).unwrap();
     w.append(
         d,
         ms(20),
-        &Fact::HandoffStarted {
-            handoff: h,
-            request: req,
-            policy: HandoffPolicy::SourceFirst,
-            demand,
-        },
+        &Fact::HandoffStarted { handoff: h, request: req, policy: HandoffPolicy::SourceFirst, demand },
     )
     .unwrap();
-    w.append(
-        d,
-        ms(20),
-        &Fact::DestinationRouted {
-            handoff: h,
-            worker: d,
-        },
-    )
-    .unwrap();
+    w.append(d, ms(20), &Fact::DestinationRouted { handoff: h, worker: d }).unwrap();
     w.append(
         d,
         ms(20),
@@ -164,51 +94,24 @@ fn write_scenario(dir: &Path) {
             prefix_blocks: 0,
             prefix_tokens: 0,
             deadline_ns: ms(300_020),
-            kv: KvDelta {
-                free: -4,
-                reserved_destination: 4,
-                ..z
-            },
+            kv: KvDelta { free: -4, reserved_destination: 4, ..z },
         },
     )
     .unwrap();
-    w.append(
-        d,
-        ms(20),
-        &Fact::ReceiveStarted {
-            handoff: h,
-            from: p,
-            bytes: 256 * 131_072,
-        },
-    )
-    .unwrap();
-    w.append(d, ms(21), &Fact::ReceiveCompleted { handoff: h })
-        .unwrap();
+    w.append(d, ms(20), &Fact::ReceiveStarted { handoff: h, from: p, bytes: 256 * 131_072 }).unwrap();
+    w.append(d, ms(21), &Fact::ReceiveCompleted { handoff: h }).unwrap();
     w.append(
         d,
         ms(21),
         &Fact::DestinationActivated {
             handoff: h,
             reservation: res,
-            kv: KvDelta {
-                reserved_destination: -4,
-                active: 4,
-                ..z
-            },
+            kv: KvDelta { reserved_destination: -4, active: 4, ..z },
         },
     )
     .unwrap();
-    w.append(
-        d,
-        ms(21),
-        &Fact::KvStored {
-            parent: None,
-            blocks: vec![11, 12, 13, 14],
-        },
-    )
-    .unwrap();
-    w.append(p, ms(21), &Fact::ReaderCompleted { handoff: h })
-        .unwrap();
+    w.append(d, ms(21), &Fact::KvStored { parent: None, blocks: vec![11, 12, 13, 14] }).unwrap();
+    w.append(p, ms(21), &Fact::ReaderCompleted { handoff: h }).unwrap();
     w.append(
         p,
         ms(21),
@@ -216,23 +119,11 @@ fn write_scenario(dir: &Path) {
             handoff: h,
             lease,
             reason: EndReason::Success,
-            kv: KvDelta {
-                pinned_source: -4,
-                cached_free: 4,
-                ..z
-            },
+            kv: KvDelta { pinned_source: -4, cached_free: 4, ..z },
         },
     )
     .unwrap();
-    w.append(
-        r,
-        ms(21),
-        &Fact::PrefillBookingFreed {
-            request: req,
-            worker: p,
-        },
-    )
-    .unwrap();
+    w.append(r, ms(21), &Fact::PrefillBookingFreed { request: req, worker: p }).unwrap();
     w.append(
         d,
         ms(30),
@@ -240,22 +131,14 @@ fn write_scenario(dir: &Path) {
             request: req,
             status: TerminalStatus::Completed,
             output_tokens: 8,
-            kv: KvDelta {
-                active: -4,
-                cached_free: 4,
-                ..z
-            },
+            kv: KvDelta { active: -4, cached_free: 4, ..z },
         },
     )
     .unwrap();
     w.append(
         r,
         ms(30),
-        &Fact::DecodeBookingFreed {
-            request: req,
-            worker: d,
-            status: TerminalStatus::Completed,
-        },
+        &Fact::DecodeBookingFreed { request: req, worker: d, status: TerminalStatus::Completed },
     )
     .unwrap();
     w.finish().unwrap();
@@ -274,9 +157,7 @@ fn verify_reports_counts_on_a_sound_run() {
         .arg(dir.path())
         .assert()
         .success()
-        .stdout(predicate::str::contains(
-            "ok: 3 streams, 22 records, 1 handoffs",
-        ));
+        .stdout(predicate::str::contains("ok: 3 streams, 22 records, 1 handoffs"));
 }
 
 #[test]
@@ -288,9 +169,12 @@ fn verify_names_file_and_offset_of_a_flipped_byte() {
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0x55;
     std::fs::write(&path, &bytes).unwrap();
-    cli().arg("verify").arg(dir.path()).assert().code(1).stderr(
-        predicate::str::contains("decode-0.hlog").and(predicate::str::contains("byte offset")),
-    );
+    cli()
+        .arg("verify")
+        .arg(dir.path())
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("decode-0.hlog").and(predicate::str::contains("byte offset")));
 }
 
 #[test]
@@ -301,15 +185,9 @@ fn verify_accepts_and_reports_a_torn_tail() {
     let len = std::fs::metadata(&path).unwrap().len();
     let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
     f.set_len(len - 3).unwrap();
-    cli()
-        .arg("verify")
-        .arg(dir.path())
-        .assert()
-        .success()
-        .stdout(
-            predicate::str::contains("torn tail at byte offset")
-                .and(predicate::str::contains("21 records")),
-        );
+    cli().arg("verify").arg(dir.path()).assert().success().stdout(
+        predicate::str::contains("torn tail at byte offset").and(predicate::str::contains("21 records")),
+    );
 }
 
 #[test]
@@ -317,12 +195,7 @@ fn verify_refuses_a_file_that_is_not_a_log() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("junk.hlog");
     std::fs::write(&path, b"definitely not a log file").unwrap();
-    cli()
-        .arg("verify")
-        .arg(&path)
-        .assert()
-        .code(1)
-        .stderr(predicate::str::contains("bad magic"));
+    cli().arg("verify").arg(&path).assert().code(1).stderr(predicate::str::contains("bad magic"));
 }
 
 #[test]
@@ -330,31 +203,15 @@ fn show_filters_by_handoff_and_worker_and_speaks_json() {
     let dir = tempfile::tempdir().unwrap();
     write_scenario(dir.path());
     let h = uuid::Uuid::from_u128(HANDOFF).to_string();
-    let out = cli()
-        .args(["show"])
-        .arg(dir.path())
-        .args(["--handoff", &h, "--json"])
-        .output()
-        .unwrap();
+    let out = cli().args(["show"]).arg(dir.path()).args(["--handoff", &h, "--json"]).output().unwrap();
     assert!(out.status.success());
-    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(lines.len(), 11, "every handoff-keyed fact on both roles");
     assert!(lines.iter().all(|l| l["handoff"] == h));
     let at: Vec<u64> = lines.iter().map(|l| l["at_ns"].as_u64().unwrap()).collect();
-    assert!(
-        at.windows(2).all(|w| w[0] <= w[1]),
-        "merge order is by time"
-    );
-    let text = cli()
-        .args(["show"])
-        .arg(dir.path())
-        .args(["--worker", "prefill-0"])
-        .output()
-        .unwrap();
+    assert!(at.windows(2).all(|w| w[0] <= w[1]), "merge order is by time");
+    let text = cli().args(["show"]).arg(dir.path()).args(["--worker", "prefill-0"]).output().unwrap();
     let text = String::from_utf8(text.stdout).unwrap();
     assert!(text.starts_with("         AT_MS WORKER"));
     assert_eq!(text.lines().count(), 1 + 8);
@@ -366,29 +223,15 @@ fn show_filters_by_handoff_and_worker_and_speaks_json() {
         .assert()
         .code(2)
         .stderr(predicate::str::contains("no such stream"));
-    cli()
-        .args(["show"])
-        .arg(dir.path())
-        .args(["--handoff", "nope"])
-        .assert()
-        .code(2);
+    cli().args(["show"]).arg(dir.path()).args(["--handoff", "nope"]).assert().code(2);
 }
 
 #[test]
 fn project_capacity_uses_the_proposals_names() {
     let dir = tempfile::tempdir().unwrap();
     write_scenario(dir.path());
-    let out = cli()
-        .args(["project"])
-        .arg(dir.path())
-        .args(["capacity", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = cli().args(["project"]).arg(dir.path()).args(["capacity", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let ws = v["workers"].as_array().unwrap();
     assert_eq!(ws.len(), 2);
@@ -411,24 +254,14 @@ fn project_capacity_uses_the_proposals_names() {
 fn project_handoffs_gives_the_normalized_source_first_order() {
     let dir = tempfile::tempdir().unwrap();
     write_scenario(dir.path());
-    let out = cli()
-        .args(["project"])
-        .arg(dir.path())
-        .args(["handoffs", "--json"])
-        .output()
-        .unwrap();
+    let out = cli().args(["project"]).arg(dir.path()).args(["handoffs", "--json"]).output().unwrap();
     assert!(out.status.success());
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let h = &v["handoffs"][0];
     assert_eq!(h["outcome"], "completed");
     assert_eq!(h["source"], "prefill-0");
     assert_eq!(h["destination"], "decode-0");
-    let order: Vec<&str> = h["normalized"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s.as_str().unwrap())
-        .collect();
+    let order: Vec<&str> = h["normalized"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
     assert_eq!(
         order,
         [
@@ -448,21 +281,8 @@ fn project_refuses_a_run_whose_deltas_break_conservation() {
     let dir = tempfile::tempdir().unwrap();
     let p = WorkerId::prefill(0);
     let mut w = RunWriter::create(dir.path(), [header(p, 4)]).unwrap();
-    let kv = KvDelta {
-        free: -5,
-        active: 5,
-        ..KvDelta::ZERO
-    };
-    w.append(
-        p,
-        7,
-        &Fact::RequestScheduled {
-            request: RequestId(3),
-            cached_tokens: 0,
-            kv,
-        },
-    )
-    .unwrap();
+    let kv = KvDelta { free: -5, active: 5, ..KvDelta::ZERO };
+    w.append(p, 7, &Fact::RequestScheduled { request: RequestId(3), cached_tokens: 0, kv }).unwrap();
     w.finish().unwrap();
     cli()
         .args(["project"])
@@ -476,11 +296,7 @@ fn project_refuses_a_run_whose_deltas_break_conservation() {
 #[test]
 fn every_command_has_help() {
     for c in ["verify", "show", "project", "replay"] {
-        cli()
-            .args([c, "--help"])
-            .assert()
-            .success()
-            .stdout(predicate::str::contains("Usage"));
+        cli().args([c, "--help"]).assert().success().stdout(predicate::str::contains("Usage"));
     }
 }
 
@@ -496,32 +312,12 @@ fn a_merged_file_reads_exactly_like_its_directory() {
         .assert()
         .success()
         .stdout(predicate::str::contains("22 records"));
-    let a = cli()
-        .arg("show")
-        .arg(dir.path())
-        .arg("--json")
-        .output()
-        .unwrap();
-    let b = cli()
-        .arg("show")
-        .arg(&merged)
-        .arg("--json")
-        .output()
-        .unwrap();
+    let a = cli().arg("show").arg(dir.path()).arg("--json").output().unwrap();
+    let b = cli().arg("show").arg(&merged).arg("--json").output().unwrap();
     assert!(a.status.success() && b.status.success());
     assert_eq!(a.stdout, b.stdout);
-    let pa = cli()
-        .arg("project")
-        .arg(dir.path())
-        .args(["capacity", "--json"])
-        .output()
-        .unwrap();
-    let pb = cli()
-        .arg("project")
-        .arg(&merged)
-        .args(["capacity", "--json"])
-        .output()
-        .unwrap();
+    let pa = cli().arg("project").arg(dir.path()).args(["capacity", "--json"]).output().unwrap();
+    let pb = cli().arg("project").arg(&merged).args(["capacity", "--json"]).output().unwrap();
     assert_eq!(pa.stdout, pb.stdout);
 }
 
@@ -531,18 +327,8 @@ fn recover_truncates_only_the_torn_tail() {
     write_scenario(dir.path());
     let path = dir.path().join("prefill-0.hlog");
     let len = std::fs::metadata(&path).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&path)
-        .unwrap()
-        .set_len(len - 5)
-        .unwrap();
-    cli()
-        .arg("recover")
-        .arg(dir.path())
-        .assert()
-        .success()
-        .stdout(predicate::str::contains("truncated"));
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len - 5).unwrap();
+    cli().arg("recover").arg(dir.path()).assert().success().stdout(predicate::str::contains("truncated"));
     cli()
         .arg("verify")
         .arg(dir.path())

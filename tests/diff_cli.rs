@@ -17,14 +17,7 @@ fn bin() -> Command {
 }
 
 fn diff_json(a: &Path, b: &Path, extra: &[&str]) -> (i32, Value) {
-    let out = bin()
-        .arg("diff")
-        .arg(a)
-        .arg(b)
-        .arg("--json")
-        .args(extra)
-        .output()
-        .unwrap();
+    let out = bin().arg("diff").arg(a).arg(b).arg("--json").args(extra).output().unwrap();
     let code = out.status.code().unwrap_or(-1);
     let v: Value = serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)));
@@ -63,27 +56,14 @@ fn other_seed_and_small_time_drift_are_equivalent_large_drift_is_timing_only() {
     generate(&a, &GenConfig::default());
     // Another seed: every HandoffId differs; handoffs match by request.
     let b = t.path().join("b");
-    generate(
-        &b,
-        &GenConfig {
-            id_seed: 1234,
-            time_scale: 1.03,
-            ..GenConfig::default()
-        },
-    );
+    generate(&b, &GenConfig { id_seed: 1234, time_scale: 1.03, ..GenConfig::default() });
     let (code, v) = diff_json(&a, &b, &[]);
     assert_eq!(code, 0, "{v}");
     assert_eq!(count(&v, "timing"), 0);
     assert!(v["timing"]["max_diff_pct"].as_f64().unwrap() > 2.0);
     // 20% slower: reported as timing, still equivalent unless strict.
     let c = t.path().join("c");
-    generate(
-        &c,
-        &GenConfig {
-            time_scale: 1.2,
-            ..GenConfig::default()
-        },
-    );
+    generate(&c, &GenConfig { time_scale: 1.2, ..GenConfig::default() });
     let (code, v) = diff_json(&a, &c, &[]);
     assert_eq!(code, 0, "{v}");
     assert_eq!(count(&v, "timing"), 120, "40 pins + 40 TTFT + 40 E2E");
@@ -114,11 +94,7 @@ fn first_divergence(stdout: &str) -> (String, String, String) {
         .iter()
         .position(|l| l.starts_with("first divergence:"))
         .unwrap_or_else(|| panic!("no first divergence in:\n{stdout}"));
-    (
-        lines[i].to_string(),
-        lines[i + 1].to_string(),
-        lines[i + 2].to_string(),
-    )
+    (lines[i].to_string(), lines[i + 1].to_string(), lines[i + 2].to_string())
 }
 
 #[test]
@@ -128,21 +104,14 @@ fn changed_capacity_delta_is_reported_at_that_record() {
     let b = t.path().join("b");
     generate(&a, &GenConfig::default());
     let (w, seq) = perturb(&a, &b, |w, f| match f {
-        Fact::RequestFinished {
-            request,
-            status,
-            output_tokens,
-            kv,
-        } if w.role == Role::Decode && *request == RequestId(5) => {
+        Fact::RequestFinished { request, status, output_tokens, kv }
+            if w.role == Role::Decode && *request == RequestId(5) =>
+        {
             Some(Edit::Replace(Fact::RequestFinished {
                 request: *request,
                 status: *status,
                 output_tokens: *output_tokens,
-                kv: KvDelta {
-                    active: kv.active + 1,
-                    free: kv.free - 1,
-                    ..*kv
-                },
+                kv: KvDelta { active: kv.active + 1, free: kv.free - 1, ..*kv },
             }))
         }
         _ => None,
@@ -151,18 +120,9 @@ fn changed_capacity_delta_is_reported_at_that_record() {
     assert_eq!(out.status.code(), Some(1));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let (head, la, lb) = first_divergence(&stdout);
-    assert_eq!(
-        head,
-        format!("first divergence: capacity-sequence on worker {w}")
-    );
-    assert!(
-        la.starts_with(&format!("  A: {w} seq {seq} (RequestFinished")),
-        "{la}"
-    );
-    assert!(
-        lb.starts_with(&format!("  B: {w} seq {seq} (RequestFinished")),
-        "{lb}"
-    );
+    assert_eq!(head, format!("first divergence: capacity-sequence on worker {w}"));
+    assert!(la.starts_with(&format!("  A: {w} seq {seq} (RequestFinished")), "{la}");
+    assert!(lb.starts_with(&format!("  B: {w} seq {seq} (RequestFinished")), "{lb}");
     assert!(stdout.contains(&format!("  A:>> ")), "{stdout}");
     let (_, v) = diff_json(&a, &b, &[]);
     assert_eq!(count(&v, "capacity-sequence"), 1, "{v}");
@@ -185,27 +145,12 @@ fn dropped_fact_is_reported_at_that_record() {
     assert_eq!(out.status.code(), Some(1));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let (head, la, _) = first_divergence(&stdout);
-    assert_eq!(
-        head,
-        format!("first divergence: capacity-sequence on worker {w}")
-    );
-    assert!(
-        la.starts_with(&format!("  A: {w} seq {seq} (SourcePinned")),
-        "{la}"
-    );
+    assert_eq!(head, format!("first divergence: capacity-sequence on worker {w}"));
+    assert!(la.starts_with(&format!("  A: {w} seq {seq} (SourcePinned")), "{la}");
     let (_, v) = diff_json(&a, &b, &[]);
     assert_eq!(count(&v, "capacity-sequence"), 1, "{v}");
-    assert_eq!(
-        count(&v, "handoff-sequence"),
-        1,
-        "r3 lost its SourceHeld: {v}"
-    );
-    let ex = v["examples"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["kind"] == "handoff-sequence")
-        .unwrap();
+    assert_eq!(count(&v, "handoff-sequence"), 1, "r3 lost its SourceHeld: {v}");
+    let ex = v["examples"].as_array().unwrap().iter().find(|d| d["kind"] == "handoff-sequence").unwrap();
     assert_eq!(ex["subject"], "handoff of r3 (attempt 0)");
 }
 
@@ -216,12 +161,9 @@ fn changed_status_is_reported_at_that_record() {
     let b = t.path().join("b");
     generate(&a, &GenConfig::default());
     let (w, seq) = perturb(&a, &b, |w, f| match f {
-        Fact::RequestFinished {
-            request,
-            output_tokens,
-            kv,
-            ..
-        } if w == WorkerId::ROUTER && *request == RequestId(4) => {
+        Fact::RequestFinished { request, output_tokens, kv, .. }
+            if w == WorkerId::ROUTER && *request == RequestId(4) =>
+        {
             Some(Edit::Replace(Fact::RequestFinished {
                 request: *request,
                 status: TerminalStatus::Failed,
@@ -236,18 +178,9 @@ fn changed_status_is_reported_at_that_record() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let (head, la, lb) = first_divergence(&stdout);
     assert_eq!(head, "first divergence: request-outcome on request r4");
-    assert!(
-        la.starts_with(&format!("  A: {w} seq {seq} (RequestFinished")),
-        "{la}"
-    );
-    assert!(
-        lb.starts_with(&format!("  B: {w} seq {seq} (RequestFinished")),
-        "{lb}"
-    );
-    assert!(
-        stdout.contains("status A Some(Completed) vs B Some(Failed)"),
-        "{stdout}"
-    );
+    assert!(la.starts_with(&format!("  A: {w} seq {seq} (RequestFinished")), "{la}");
+    assert!(lb.starts_with(&format!("  B: {w} seq {seq} (RequestFinished")), "{lb}");
+    assert!(stdout.contains("status A Some(Completed) vs B Some(Failed)"), "{stdout}");
     let (_, v) = diff_json(&a, &b, &[]);
     for (k, n) in [
         ("request-outcome", 1),
@@ -266,31 +199,16 @@ fn different_policies_are_different_with_the_right_kinds() {
     let a = t.path().join("a");
     let b = t.path().join("b");
     generate(&a, &GenConfig::default());
-    generate(
-        &b,
-        &GenConfig {
-            policy: HandoffPolicy::DestinationFirst,
-            ..GenConfig::default()
-        },
-    );
+    generate(&b, &GenConfig { policy: HandoffPolicy::DestinationFirst, ..GenConfig::default() });
     let (code, v) = diff_json(&a, &b, &[]);
     assert_eq!(code, 1);
-    assert_eq!(
-        count(&v, "handoff-sequence"),
-        40,
-        "every handoff reorders: {v}"
-    );
+    assert_eq!(count(&v, "handoff-sequence"), 40, "every handoff reorders: {v}");
     assert_eq!(count(&v, "booking-sequence"), 1);
     assert!(count(&v, "capacity-sequence") >= 1);
     // Same requests, same workers, same outcomes; both drain.
     assert_eq!(count(&v, "request-outcome"), 0);
     assert_eq!(count(&v, "final-state"), 0);
-    let ex = v["examples"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["kind"] == "handoff-sequence")
-        .unwrap();
+    let ex = v["examples"].as_array().unwrap().iter().find(|d| d["kind"] == "handoff-sequence").unwrap();
     assert!(ex["detail"]
         .as_str()
         .unwrap()
@@ -303,13 +221,7 @@ fn merged_file_and_directory_compare_alike() {
     let a = t.path().join("a");
     let b = t.path().join("b");
     generate(&a, &GenConfig::default());
-    generate(
-        &b,
-        &GenConfig {
-            id_seed: 5,
-            ..GenConfig::default()
-        },
-    );
+    generate(&b, &GenConfig { id_seed: 5, ..GenConfig::default() });
     let merged = t.path().join("a.hrun");
     write_merged(&a, &merged).unwrap();
     let (code, v) = diff_json(&merged, &b, &[]);
@@ -324,19 +236,11 @@ fn merged_file_and_directory_compare_alike() {
     });
     let merged_c = t.path().join("c.hrun");
     write_merged(&c, &merged_c).unwrap();
-    let out = bin()
-        .arg("diff")
-        .arg(&merged)
-        .arg(&merged_c)
-        .output()
-        .unwrap();
+    let out = bin().arg("diff").arg(&merged).arg(&merged_c).output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let (_, la, _) = first_divergence(&stdout);
-    assert!(
-        la.starts_with(&format!("  A: {w} seq {seq} (SourcePinned")),
-        "{la}"
-    );
+    assert!(la.starts_with(&format!("  A: {w} seq {seq} (SourcePinned")), "{la}");
 }
 
 #[test]
@@ -371,11 +275,5 @@ fn unusable_input_exits_2_naming_the_file() {
     // Not a log at all.
     let junk = t.path().join("junk.hrun");
     std::fs::write(&junk, b"definitely not a log").unwrap();
-    bin()
-        .arg("diff")
-        .arg(&junk)
-        .arg(&a)
-        .assert()
-        .code(2)
-        .stderr(predicate::str::contains("junk.hrun"));
+    bin().arg("diff").arg(&junk).arg(&a).assert().code(2).stderr(predicate::str::contains("junk.hrun"));
 }

@@ -22,10 +22,8 @@ fn write_large_runs() {
         eprintln!("set DIFF_SCALE_DIR");
         return;
     };
-    let requests: u64 = std::env::var("DIFF_SCALE_REQUESTS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(357_143);
+    let requests: u64 =
+        std::env::var("DIFF_SCALE_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(357_143);
     let dir = std::path::Path::new(&dir);
     let cfg = GenConfig {
         requests,
@@ -36,13 +34,7 @@ fn write_large_runs() {
     };
     let t = std::time::Instant::now();
     let n = generate(&dir.join("a"), &cfg);
-    let m = generate(
-        &dir.join("b"),
-        &GenConfig {
-            id_seed: cfg.id_seed + 1,
-            time_scale: 1.01,
-            ..cfg.clone()
-        },
-    );
+    let m =
+        generate(&dir.join("b"), &GenConfig { id_seed: cfg.id_seed + 1, time_scale: 1.01, ..cfg.clone() });
     eprintln!("wrote {n} + {m} records in {:?}", t.elapsed());
 }

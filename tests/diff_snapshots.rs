@@ -19,10 +19,7 @@ const FAILED_R4: &str = "fixtures/runs/sf-12-failed-r4";
 const DESTINATION_FIRST: &str = "fixtures/runs/df-12";
 
 fn cfg() -> GenConfig {
-    GenConfig {
-        requests: 12,
-        ..GenConfig::default()
-    }
+    GenConfig { requests: 12, ..GenConfig::default() }
 }
 
 #[test]
@@ -33,41 +30,21 @@ fn regenerate_fixture_runs() {
         let _ = std::fs::remove_dir_all(root.join(d));
     }
     generate(&root.join(SOURCE_FIRST), &cfg());
-    generate(
-        &root.join(RESEEDED),
-        &GenConfig {
-            id_seed: 4242,
-            time_scale: 1.04,
-            ..cfg()
-        },
-    );
-    generate(
-        &root.join(DESTINATION_FIRST),
-        &GenConfig {
-            policy: HandoffPolicy::DestinationFirst,
-            ..cfg()
-        },
-    );
-    rewrite(
-        &root.join(SOURCE_FIRST),
-        &root.join(FAILED_R4),
-        |w, rec| match &rec.fact {
-            Fact::RequestFinished {
-                request,
-                output_tokens,
-                kv,
-                ..
-            } if w == WorkerId::ROUTER && *request == RequestId(4) => {
-                Edit::Replace(Fact::RequestFinished {
-                    request: *request,
-                    status: TerminalStatus::Failed,
-                    output_tokens: *output_tokens,
-                    kv: *kv,
-                })
-            }
-            _ => Edit::Keep,
-        },
-    );
+    generate(&root.join(RESEEDED), &GenConfig { id_seed: 4242, time_scale: 1.04, ..cfg() });
+    generate(&root.join(DESTINATION_FIRST), &GenConfig { policy: HandoffPolicy::DestinationFirst, ..cfg() });
+    rewrite(&root.join(SOURCE_FIRST), &root.join(FAILED_R4), |w, rec| match &rec.fact {
+        Fact::RequestFinished { request, output_tokens, kv, .. }
+            if w == WorkerId::ROUTER && *request == RequestId(4) =>
+        {
+            Edit::Replace(Fact::RequestFinished {
+                request: *request,
+                status: TerminalStatus::Failed,
+                output_tokens: *output_tokens,
+                kv: *kv,
+            })
+        }
+        _ => Edit::Keep,
+    });
 }
 
 fn diff(a: &str, b: &str, extra: &[&str]) -> (i32, String) {
@@ -78,10 +55,7 @@ fn diff(a: &str, b: &str, extra: &[&str]) -> (i32, String) {
         .args(extra)
         .output()
         .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8(out.stdout).unwrap(),
-    )
+    (out.status.code().unwrap_or(-1), String::from_utf8(out.stdout).unwrap())
 }
 
 #[test]

@@ -9,8 +9,8 @@ use handoff_ledger::events::{
     EngineShape, Fact, KvDelta, Record, RunReader, RunWriter, StreamHeader, TerminalStatus,
 };
 use handoff_ledger::ids::{
-    Backend, ClockDomain, DestinationReservationId, EndReason, HandoffPolicy, IdMint,
-    KvHandoffDemand, RequestId, SourceLeaseId, WorkerId,
+    Backend, ClockDomain, DestinationReservationId, EndReason, HandoffPolicy, IdMint, KvHandoffDemand,
+    RequestId, SourceLeaseId, WorkerId,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -112,18 +112,8 @@ pub fn generate(dir: &Path, cfg: &GenConfig) -> u64 {
     let mut w = RunWriter::create(dir, workers(cfg).into_iter().map(|x| header(cfg, x))).unwrap();
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.workload_seed);
     let mut mint = IdMint::from_seed(cfg.id_seed);
-    let mut caps: HashMap<WorkerId, Cap> = workers(cfg)
-        .into_iter()
-        .map(|x| {
-            (
-                x,
-                Cap {
-                    free: cfg.total_blocks as i64,
-                    cached: 0,
-                },
-            )
-        })
-        .collect();
+    let mut caps: HashMap<WorkerId, Cap> =
+        workers(cfg).into_iter().map(|x| (x, Cap { free: cfg.total_blocks as i64, cached: 0 })).collect();
     // (base time in µs, tie-breaker, request index, stage)
     let mut heap: BinaryHeap<Reverse<(u64, u64, u64, u8)>> = BinaryHeap::new();
     let mut reqs: HashMap<u64, Req> = HashMap::new();
@@ -172,34 +162,11 @@ pub fn generate(dir: &Path, cfg: &GenConfig) -> u64 {
                     lease: SourceLeaseId(lease_no),
                     reservation: DestinationReservationId(lease_no),
                 };
-                emit(
-                    r,
-                    Fact::RequestArrived {
-                        request: q.id,
-                        input_tokens: input,
-                        output_tokens: output,
-                    },
-                );
-                let demand = KvHandoffDemand {
-                    context_tokens: input,
-                    max_output_tokens: output,
-                };
+                emit(r, Fact::RequestArrived { request: q.id, input_tokens: input, output_tokens: output });
+                let demand = KvHandoffDemand { context_tokens: input, max_output_tokens: output };
                 if df {
-                    emit(
-                        r,
-                        Fact::DecodeBooked {
-                            request: q.id,
-                            worker: q.d,
-                            blocks: q.blocks + 1,
-                        },
-                    );
-                    emit(
-                        r,
-                        Fact::DestinationRouted {
-                            handoff: q.handoff,
-                            worker: q.d,
-                        },
-                    );
+                    emit(r, Fact::DecodeBooked { request: q.id, worker: q.d, blocks: q.blocks + 1 });
+                    emit(r, Fact::DestinationRouted { handoff: q.handoff, worker: q.d });
                     emit(
                         q.d,
                         Fact::HandoffStarted {
@@ -222,12 +189,7 @@ pub fn generate(dir: &Path, cfg: &GenConfig) -> u64 {
                 );
                 emit(
                     q.p,
-                    Fact::HandoffStarted {
-                        handoff: q.handoff,
-                        request: q.id,
-                        policy: cfg.policy,
-                        demand,
-                    },
+                    Fact::HandoffStarted { handoff: q.handoff, request: q.id, policy: cfg.policy, demand },
                 );
                 emit(q.p, Fact::PrefillDispatched { handoff: q.handoff });
                 emit(q.p, Fact::RequestQueued { request: q.id });
@@ -290,39 +252,17 @@ pub fn generate(dir: &Path, cfg: &GenConfig) -> u64 {
                         },
                     },
                 );
-                emit(
-                    r,
-                    Fact::PrefillComputeDone {
-                        request: q.id,
-                        worker: q.p,
-                    },
-                );
+                emit(r, Fact::PrefillComputeDone { request: q.id, worker: q.p });
                 if !df {
-                    emit(
-                        r,
-                        Fact::DecodeBooked {
-                            request: q.id,
-                            worker: q.d,
-                            blocks: q.blocks + 1,
-                        },
-                    );
-                    emit(
-                        r,
-                        Fact::DestinationRouted {
-                            handoff: q.handoff,
-                            worker: q.d,
-                        },
-                    );
+                    emit(r, Fact::DecodeBooked { request: q.id, worker: q.d, blocks: q.blocks + 1 });
+                    emit(r, Fact::DestinationRouted { handoff: q.handoff, worker: q.d });
                     emit(
                         q.d,
                         Fact::HandoffStarted {
                             handoff: q.handoff,
                             request: q.id,
                             policy: cfg.policy,
-                            demand: KvHandoffDemand {
-                                context_tokens: q.input,
-                                max_output_tokens: q.output,
-                            },
+                            demand: KvHandoffDemand { context_tokens: q.input, max_output_tokens: q.output },
                         },
                     );
                     reserve(&mut caps, &mut emit, q);
@@ -335,11 +275,7 @@ pub fn generate(dir: &Path, cfg: &GenConfig) -> u64 {
                 let n = q.blocks as i32;
                 emit(
                     q.d,
-                    Fact::ReceiveStarted {
-                        handoff: q.handoff,
-                        from: q.p,
-                        bytes: q.blocks as u64 * 65_536,
-                    },
+                    Fact::ReceiveStarted { handoff: q.handoff, from: q.p, bytes: q.blocks as u64 * 65_536 },
                 );
                 emit(q.d, Fact::ReceiveCompleted { handoff: q.handoff });
                 emit(
@@ -362,29 +298,12 @@ pub fn generate(dir: &Path, cfg: &GenConfig) -> u64 {
                         handoff: q.handoff,
                         lease: q.lease,
                         reason: EndReason::Success,
-                        kv: KvDelta {
-                            pinned_source: -n,
-                            cached_free: n,
-                            ..z
-                        },
+                        kv: KvDelta { pinned_source: -n, cached_free: n, ..z },
                     },
                 );
                 caps.get_mut(&q.p).unwrap().cached += n as i64;
-                emit(
-                    r,
-                    Fact::PrefillBookingFreed {
-                        request: q.id,
-                        worker: q.p,
-                    },
-                );
-                emit(
-                    q.d,
-                    Fact::RequestScheduled {
-                        request: q.id,
-                        cached_tokens: 0,
-                        kv: z,
-                    },
-                );
+                emit(r, Fact::PrefillBookingFreed { request: q.id, worker: q.p });
+                emit(q.d, Fact::RequestScheduled { request: q.id, cached_tokens: 0, kv: z });
                 push_for(&mut heap, rng.random_range(100..1_000u64), i, 4);
             }
             // Decode steps, then finish.
@@ -408,11 +327,7 @@ pub fn generate(dir: &Path, cfg: &GenConfig) -> u64 {
                             decode_tokens: 1,
                             batch_size: 1,
                             duration_ns: 200_000,
-                            kv: KvDelta {
-                                active: grow,
-                                free: -grow,
-                                ..z
-                            },
+                            kv: KvDelta { active: grow, free: -grow, ..z },
                         },
                     );
                     push_for(&mut heap, rng.random_range(100..800u64), i, 4);
@@ -426,12 +341,7 @@ pub fn generate(dir: &Path, cfg: &GenConfig) -> u64 {
                             request: q.id,
                             status: TerminalStatus::Completed,
                             output_tokens: q.output,
-                            kv: KvDelta {
-                                active: -n,
-                                free: n,
-                                slots: -1,
-                                ..z
-                            },
+                            kv: KvDelta { active: -n, free: n, slots: -1, ..z },
                         },
                     );
                     emit(
@@ -519,11 +429,7 @@ fn generated_runs_are_sound_and_drain() {
     use handoff_ledger::projections::at::state_at;
     for policy in [HandoffPolicy::SourceFirst, HandoffPolicy::DestinationFirst] {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = GenConfig {
-            policy,
-            requests: 200,
-            ..GenConfig::default()
-        };
+        let cfg = GenConfig { policy, requests: 200, ..GenConfig::default() };
         let n = generate(dir.path(), &cfg);
         let summary = verify_run(dir.path()).unwrap();
         assert_eq!(summary.records, n);

@@ -18,36 +18,19 @@ fn bin() -> Command {
 
 fn stdout(args: &[&str], run: &Path) -> String {
     let out = bin().args(args).arg(run).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap()
 }
 
 fn show(run: &Path, extra: &[&str]) -> String {
     let out = bin().arg("show").arg(run).args(extra).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap()
 }
 
 fn at_json(run: &Path, t: &str) -> String {
-    let out = bin()
-        .arg("at")
-        .arg(run)
-        .args(["--time", t, "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = bin().arg("at").arg(run).args(["--time", t, "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap()
 }
 
@@ -64,13 +47,7 @@ fn copy_run(from: &Path, to: &Path) {
 /// Two copies of one generated run: `plain` never indexed, `indexed` indexed with `index`.
 fn pair(t: &Path) -> (PathBuf, PathBuf) {
     let plain = t.join("plain");
-    generate(
-        &plain,
-        &GenConfig {
-            requests: 120,
-            ..GenConfig::default()
-        },
-    );
+    generate(&plain, &GenConfig { requests: 120, ..GenConfig::default() });
     let indexed = t.join("indexed");
     copy_run(&plain, &indexed);
     let v: Value = serde_json::from_str(&stdout(&["index", "--json"], &indexed)).unwrap();
@@ -110,18 +87,12 @@ fn show_with_index_equals_show_without() {
             let a = show(&plain, &extra);
             let b = show(&indexed, &extra);
             let header = usize::from(!extra.contains(&"--json"));
-            assert!(
-                a.lines().count() > header,
-                "{extra:?}: the filter matched nothing"
-            );
+            assert!(a.lines().count() > header, "{extra:?}: the filter matched nothing");
             assert_eq!(a, b, "{extra:?}");
         }
     }
     for w in ["prefill-0", "decode-1", "router"] {
-        assert_eq!(
-            show(&plain, &["--worker", w]),
-            show(&indexed, &["--worker", w])
-        );
+        assert_eq!(show(&plain, &["--worker", w]), show(&indexed, &["--worker", w]));
     }
     // The merged layout (FILE.index).
     let merged = t.path().join("run.hrun");
@@ -131,10 +102,7 @@ fn show_with_index_equals_show_without() {
     assert!(t.path().join("run.hrun.index").is_dir());
     assert_eq!(before, show(&merged, &["--worker", "decode-0", "--json"]));
     let h = some_handoffs(&plain)[2].to_string();
-    assert_eq!(
-        show(&plain, &["--handoff", &h]),
-        show(&merged, &["--handoff", &h])
-    );
+    assert_eq!(show(&plain, &["--handoff", &h]), show(&merged, &["--handoff", &h]));
 }
 
 #[test]
@@ -182,36 +150,17 @@ fn appending_to_a_stream_makes_the_index_stale_and_it_is_rebuilt() {
     for run in [&plain, &indexed] {
         let (mut w, torn) = StreamWriter::open_append(run.join("decode-0.hlog")).unwrap();
         assert!(torn.is_none());
-        w.append(
-            late,
-            &Fact::RequestQueued {
-                request: RequestId(999_999),
-            },
-        )
-        .unwrap();
+        w.append(late, &Fact::RequestQueued { request: RequestId(999_999) }).unwrap();
         w.finish().unwrap();
     }
-    let out = bin()
-        .arg("at")
-        .arg(&indexed)
-        .args(["--time", "20s", "--json"])
-        .output()
-        .unwrap();
+    let out = bin().arg("at").arg(&indexed).args(["--time", "20s", "--json"]).output().unwrap();
     assert!(out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("stale") && stderr.contains("rebuilt"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("stale") && stderr.contains("rebuilt"), "{stderr}");
     let with: Value = serde_json::from_slice(&out.stdout).unwrap();
     let without: Value = serde_json::from_str(&at_json(&plain, "20s")).unwrap();
     assert_eq!(with, without);
-    let d0 = with["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|w| w["worker"] == "decode-0")
-        .unwrap();
+    let d0 = with["workers"].as_array().unwrap().iter().find(|w| w["worker"] == "decode-0").unwrap();
     assert_eq!(d0["queues"]["waiting"], 1, "the appended record is seen");
     let v: Value = serde_json::from_str(&stdout(&["index", "--json"], &indexed)).unwrap();
     assert_eq!(v["status"], "fresh", "rebuilt once, then trusted");
@@ -242,10 +191,7 @@ fn a_damaged_index_is_rebuilt_not_trusted() {
     let v: Value = serde_json::from_str(&stdout(&["index", "--json"], &indexed)).unwrap();
     assert_eq!(v["status"], "rebuilt", "{v}");
     let h = some_handoffs(&plain)[1].to_string();
-    assert_eq!(
-        show(&plain, &["--handoff", &h]),
-        show(&indexed, &["--handoff", &h])
-    );
+    assert_eq!(show(&plain, &["--handoff", &h]), show(&indexed, &["--handoff", &h]));
     // Rewriting a stream with the same length but other bytes is caught by the checksum.
     let (idx, _) = RunIndex::open_or_rebuild(&indexed).unwrap();
     drop(idx);
@@ -265,23 +211,12 @@ fn an_index_in_use_elsewhere_is_left_alone_and_readers_scan() {
     let t = tempfile::tempdir().unwrap();
     let (plain, indexed) = pair(t.path());
     let (held, _) = RunIndex::open_or_rebuild(&indexed).unwrap();
-    let out = bin()
-        .arg("at")
-        .arg(&indexed)
-        .args(["--time", "33", "--json"])
-        .output()
-        .unwrap();
+    let out = bin().arg("at").arg(&indexed).args(["--time", "33", "--json"]).output().unwrap();
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("in use"));
-    assert_eq!(
-        String::from_utf8(out.stdout).unwrap(),
-        at_json(&plain, "33")
-    );
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), at_json(&plain, "33"));
     let h = some_handoffs(&plain)[0].to_string();
-    assert_eq!(
-        show(&plain, &["--handoff", &h]),
-        show(&indexed, &["--handoff", &h])
-    );
+    assert_eq!(show(&plain, &["--handoff", &h]), show(&indexed, &["--handoff", &h]));
     drop(held);
     // Still intact: reused, not rebuilt.
     let v: Value = serde_json::from_str(&stdout(&["index", "--json"], &indexed)).unwrap();

@@ -9,13 +9,12 @@ mod lifecycle_common;
 
 use handoff_ledger::events::{Fact, KvDelta};
 use handoff_ledger::ids::{
-    CancelReason, DestinationReservationId, EndReason, Generation, HandoffPolicy, RequestId,
-    SourceLeaseId,
+    CancelReason, DestinationReservationId, EndReason, Generation, HandoffPolicy, RequestId, SourceLeaseId,
 };
 use handoff_ledger::lifecycle::policy::{expected_order, follows_expected_order, observed_order};
 use handoff_ledger::lifecycle::{
-    DestinationAction, DestinationEvent, DestinationHandoff, DestinationState, HandoffMessage,
-    MessageBody, SourceAction, SourceEvent, SourceHandoff, SourceState,
+    DestinationAction, DestinationEvent, DestinationHandoff, DestinationState, HandoffMessage, MessageBody,
+    SourceAction, SourceEvent, SourceHandoff, SourceState,
 };
 use lifecycle_common::*;
 use proptest::prelude::*;
@@ -94,11 +93,7 @@ impl Harness {
         let dst = destination(id, policy, Some(source_worker()), None);
         let mut log = Vec::new();
         log.extend(src.start_facts().into_iter().map(|f| (Side::Source, f)));
-        log.extend(
-            dst.start_facts()
-                .into_iter()
-                .map(|f| (Side::Destination, f)),
-        );
+        log.extend(dst.start_facts().into_iter().map(|f| (Side::Destination, f)));
         let mut h = Harness {
             now: 1_000,
             src,
@@ -120,9 +115,7 @@ impl Harness {
         };
         h.queue.push(Item::Src(SourceEvent::Start));
         if policy == HandoffPolicy::DestinationFirst {
-            h.queue.push(Item::Dst(DestinationEvent::Routed {
-                worker: dest_worker(),
-            }));
+            h.queue.push(Item::Dst(DestinationEvent::Routed { worker: dest_worker() }));
         }
         h
     }
@@ -186,9 +179,7 @@ impl Harness {
                         deadline_ns,
                     }));
                     if self.route_on_pin {
-                        self.enqueue(Item::Dst(DestinationEvent::Routed {
-                            worker: dest_worker(),
-                        }));
+                        self.enqueue(Item::Dst(DestinationEvent::Routed { worker: dest_worker() }));
                     }
                 }
             }
@@ -227,8 +218,7 @@ impl Harness {
                 panic!("source refused a delivery the harness considers valid: {e} ({ev:?})");
             }
         };
-        self.log
-            .extend(t.facts.into_iter().map(|f| (Side::Source, f)));
+        self.log.extend(t.facts.into_iter().map(|f| (Side::Source, f)));
         let id = self.src.id();
         for a in t.actions {
             match a {
@@ -244,12 +234,7 @@ impl Harness {
                         self.prefill = Prefill::Ended;
                         self.log.push((
                             Side::Source,
-                            Fact::SourceReleased {
-                                handoff: id,
-                                lease,
-                                reason,
-                                kv: KvDelta::ZERO,
-                            },
+                            Fact::SourceReleased { handoff: id, lease, reason, kv: KvDelta::ZERO },
                         ));
                     } else {
                         self.core_noops += 1;
@@ -279,9 +264,7 @@ impl Harness {
                     assert_eq!(to, dest_worker());
                     self.enqueue(Item::Dst(DestinationEvent::Message(message)));
                 }
-                SourceAction::ScheduleLeaseTimer { deadline_ns } => {
-                    self.lease_deadline = Some(deadline_ns)
-                }
+                SourceAction::ScheduleLeaseTimer { deadline_ns } => self.lease_deadline = Some(deadline_ns),
             }
         }
     }
@@ -295,8 +278,7 @@ impl Harness {
                 panic!("destination refused a delivery the harness considers valid: {e} ({ev:?})");
             }
         };
-        self.log
-            .extend(t.facts.into_iter().map(|f| (Side::Destination, f)));
+        self.log.extend(t.facts.into_iter().map(|f| (Side::Destination, f)));
         let id = self.dst.id();
         for a in t.actions {
             match a {
@@ -308,11 +290,7 @@ impl Harness {
                 DestinationAction::StartReceive { from, .. } => {
                     assert_eq!(from, source_worker());
                     // Invariant 1: a transfer only into a reservation the core holds.
-                    assert_eq!(
-                        self.decode,
-                        Decode::Reserved,
-                        "transfer without a reservation"
-                    );
+                    assert_eq!(self.decode, Decode::Reserved, "transfer without a reservation");
                     // The transfer reads pinned source KV.
                     assert!(matches!(self.prefill, Prefill::Pinned | Prefill::Ended));
                     self.enqueue(Item::Dst(DestinationEvent::ReceiveCompleted));
@@ -320,25 +298,14 @@ impl Harness {
                 DestinationAction::ActivateDestination { reservation } => {
                     assert_eq!(reservation, RES);
                     self.reservation_ends += 1;
-                    assert_eq!(
-                        self.decode,
-                        Decode::Reserved,
-                        "activated without a reservation"
-                    );
+                    assert_eq!(self.decode, Decode::Reserved, "activated without a reservation");
                     self.decode = Decode::Active;
                     self.log.push((
                         Side::Destination,
-                        Fact::DestinationActivated {
-                            handoff: id,
-                            reservation,
-                            kv: KvDelta::ZERO,
-                        },
+                        Fact::DestinationActivated { handoff: id, reservation, kv: KvDelta::ZERO },
                     ));
                 }
-                DestinationAction::ReleaseDestination {
-                    reservation,
-                    reason,
-                } => {
+                DestinationAction::ReleaseDestination { reservation, reason } => {
                     match reservation {
                         None => self.release_pending += 1,
                         Some(r) => {
@@ -389,21 +356,11 @@ impl Harness {
 
     /// Exactly-once at the level of the machines' own actions.
     fn assert_exactly_once(&self) {
-        assert!(
-            self.release_source <= 1,
-            "ReleaseSource issued {} times",
-            self.release_source
-        );
+        assert!(self.release_source <= 1, "ReleaseSource issued {} times", self.release_source);
         assert!(self.cancel_prefill <= 1);
-        assert!(
-            self.release_source + self.cancel_prefill >= u32::from(self.prefill != Prefill::Idle)
-        );
+        assert!(self.release_source + self.cancel_prefill >= u32::from(self.prefill != Prefill::Idle));
         assert!(self.release_pending <= 1);
-        assert!(
-            self.reservation_ends <= 1,
-            "reservation ended {} times",
-            self.reservation_ends
-        );
+        assert!(self.reservation_ends <= 1, "reservation ended {} times", self.reservation_ends);
         let n = |name: &str| self.facts().filter(|f| f.name() == name).count();
         assert!(
             n("SourcePinned") <= 1 && n("SourceReleased") == n("SourcePinned"),
@@ -429,23 +386,10 @@ fn happy_path(policy: HandoffPolicy) -> Harness {
 #[test]
 fn source_first_composed_order_is_pin_reserve_activate_release() {
     let h = happy_path(HandoffPolicy::SourceFirst);
-    assert_eq!(
-        h.src.state(),
-        &SourceState::Released {
-            how: EndReason::Success
-        }
-    );
-    assert_eq!(
-        h.dst.state(),
-        &DestinationState::Released {
-            how: EndReason::Success
-        }
-    );
+    assert_eq!(h.src.state(), &SourceState::Released { how: EndReason::Success });
+    assert_eq!(h.dst.state(), &DestinationState::Released { how: EndReason::Success });
     let order = observed_order(h.facts());
-    assert!(
-        follows_expected_order(HandoffPolicy::SourceFirst, h.facts()),
-        "order {order:?}"
-    );
+    assert!(follows_expected_order(HandoffPolicy::SourceFirst, h.facts()), "order {order:?}");
     assert_eq!(order, expected_order(HandoffPolicy::SourceFirst));
     h.assert_exactly_once();
     assert_eq!(h.core_noops, 0);
@@ -455,46 +399,24 @@ fn source_first_composed_order_is_pin_reserve_activate_release() {
         .position(|f| {
             matches!(
                 f,
-                Fact::MessageReceived {
-                    kind: handoff_ledger::events::MessageKind::DestinationReserved,
-                    ..
-                }
+                Fact::MessageReceived { kind: handoff_ledger::events::MessageKind::DestinationReserved, .. }
             )
         })
         .unwrap();
-    let pinned = h
-        .position(|f| matches!(f, Fact::SourcePinned { .. }))
-        .unwrap();
+    let pinned = h.position(|f| matches!(f, Fact::SourcePinned { .. })).unwrap();
     assert!(pinned < reserved_msg);
 }
 
 #[test]
 fn destination_first_composed_reserves_before_dispatch() {
     let h = happy_path(HandoffPolicy::DestinationFirst);
-    assert_eq!(
-        h.src.state(),
-        &SourceState::Released {
-            how: EndReason::Success
-        }
-    );
-    assert_eq!(
-        h.dst.state(),
-        &DestinationState::Released {
-            how: EndReason::Success
-        }
-    );
+    assert_eq!(h.src.state(), &SourceState::Released { how: EndReason::Success });
+    assert_eq!(h.dst.state(), &DestinationState::Released { how: EndReason::Success });
     let order = observed_order(h.facts());
     assert_eq!(order, expected_order(HandoffPolicy::DestinationFirst));
-    let reserved = h
-        .position(|f| matches!(f, Fact::DestinationReserved { .. }))
-        .unwrap();
-    let dispatched = h
-        .position(|f| matches!(f, Fact::PrefillDispatched { .. }))
-        .unwrap();
-    assert!(
-        reserved < dispatched,
-        "SGLang gate: the prefill ran before the destination was reserved"
-    );
+    let reserved = h.position(|f| matches!(f, Fact::DestinationReserved { .. })).unwrap();
+    let dispatched = h.position(|f| matches!(f, Fact::PrefillDispatched { .. })).unwrap();
+    assert!(reserved < dispatched, "SGLang gate: the prefill ran before the destination was reserved");
     h.assert_exactly_once();
     assert_eq!(h.core_noops, 0);
 }
@@ -513,11 +435,7 @@ fn source_first_stranded_source_stays_pinned_until_decode_reserves() {
         }
         h.apply(item);
     }
-    assert_eq!(
-        h.src.state_name(),
-        "Pinned",
-        "stranded prefill KV stays pinned"
-    );
+    assert_eq!(h.src.state_name(), "Pinned", "stranded prefill KV stays pinned");
     assert_eq!(h.dst.state_name(), "Reserving");
     assert_eq!(h.prefill, Prefill::Pinned);
     // The lease timer, earlier than the deadline, does nothing.
@@ -531,18 +449,8 @@ fn source_first_stranded_source_stays_pinned_until_decode_reserves() {
     h.queue.push(Item::Dst(DestinationEvent::RequestFinished));
     h.run();
     assert!(h.now < deadline);
-    assert_eq!(
-        h.src.state(),
-        &SourceState::Released {
-            how: EndReason::Success
-        }
-    );
-    assert_eq!(
-        h.dst.state(),
-        &DestinationState::Released {
-            how: EndReason::Success
-        }
-    );
+    assert_eq!(h.src.state(), &SourceState::Released { how: EndReason::Success });
+    assert_eq!(h.dst.state(), &DestinationState::Released { how: EndReason::Success });
     h.assert_exactly_once();
 }
 
@@ -562,20 +470,13 @@ fn source_first_lease_expiry_while_decode_waits_aborts_the_pending_reservation()
     h.now = h.src.deadline_ns().unwrap();
     h.queue.push(Item::Src(SourceEvent::LeaseExpired));
     h.run();
-    assert_eq!(
-        h.src.state(),
-        &SourceState::Released {
-            how: EndReason::Expired
-        }
-    );
+    assert_eq!(h.src.state(), &SourceState::Released { how: EndReason::Expired });
     // Decode gets capacity later and tells the source, which answers with an Abort.
     h.queue.extend(held);
     h.run();
     assert_eq!(
         h.dst.state(),
-        &DestinationState::Released {
-            how: EndReason::Canceled(CancelReason::TransferFailed)
-        }
+        &DestinationState::Released { how: EndReason::Canceled(CancelReason::TransferFailed) }
     );
     assert_eq!(h.decode, Decode::Ended);
     h.assert_exactly_once();
@@ -590,9 +491,7 @@ fn randomized(policy: HandoffPolicy, seed: u64, fault: Option<u8>) {
     // Under source-first the decode router may also route early, before the prefill returns.
     if policy == HandoffPolicy::SourceFirst && rng.random_bool(0.3) {
         h.route_on_pin = false;
-        h.queue.push(Item::Dst(DestinationEvent::Routed {
-            worker: dest_worker(),
-        }));
+        h.queue.push(Item::Dst(DestinationEvent::Routed { worker: dest_worker() }));
     }
     let fault_at = rng.random_range(0..12u32);
     let mut steps = 0u32;
@@ -610,11 +509,7 @@ fn randomized(policy: HandoffPolicy, seed: u64, fault: Option<u8>) {
         h.run();
     }
     if fault.is_none() {
-        assert_eq!(
-            h.dst.state_name(),
-            "Active",
-            "seed {seed}: destination did not activate"
-        );
+        assert_eq!(h.dst.state_name(), "Active", "seed {seed}: destination did not activate");
     }
     // Guards, as the adapters have them: the router's request guard finishes or cancels the
     // decode request; the source's lease timer ends a pin nobody reads.
@@ -623,9 +518,7 @@ fn randomized(policy: HandoffPolicy, seed: u64, fault: Option<u8>) {
             let ev = if h.dst.state_name() == "Active" {
                 DestinationEvent::RequestFinished
             } else {
-                DestinationEvent::Cancelled {
-                    reason: CancelReason::RequestAborted,
-                }
+                DestinationEvent::Cancelled { reason: CancelReason::RequestAborted }
             };
             h.queue.push(Item::Dst(ev));
             h.run();
@@ -636,64 +529,28 @@ fn randomized(policy: HandoffPolicy, seed: u64, fault: Option<u8>) {
                     h.now = h.now.max(d);
                     h.queue.push(Item::Src(SourceEvent::LeaseExpired));
                 }
-                None => h.queue.push(Item::Src(SourceEvent::Cancelled {
-                    reason: CancelReason::RequestAborted,
-                })),
+                None => {
+                    h.queue.push(Item::Src(SourceEvent::Cancelled { reason: CancelReason::RequestAborted }))
+                }
             }
             h.run();
         }
     }
-    assert!(
-        h.src.is_released() && h.dst.is_released(),
-        "seed {seed}: not both released"
-    );
+    assert!(h.src.is_released() && h.dst.is_released(), "seed {seed}: not both released");
     h.assert_exactly_once();
     assert_ne!(h.prefill, Prefill::Pinned, "seed {seed}: pin leaked");
-    assert!(
-        !matches!(h.decode, Decode::Pending | Decode::Reserved),
-        "seed {seed}: reservation leaked"
-    );
-    let rel = h.position(|f| {
-        matches!(
-            f,
-            Fact::SourceReleased {
-                reason: EndReason::Success,
-                ..
-            }
-        )
-    });
+    assert!(!matches!(h.decode, Decode::Pending | Decode::Reserved), "seed {seed}: reservation leaked");
+    let rel = h.position(|f| matches!(f, Fact::SourceReleased { reason: EndReason::Success, .. }));
     let act = h.position(|f| matches!(f, Fact::DestinationActivated { .. }));
     if let Some(r) = rel {
-        assert!(
-            matches!(act, Some(a) if a < r),
-            "seed {seed}: source released on success before activation"
-        );
+        assert!(matches!(act, Some(a) if a < r), "seed {seed}: source released on success before activation");
     }
     if fault.is_none() {
-        assert_eq!(
-            h.src.state(),
-            &SourceState::Released {
-                how: EndReason::Success
-            },
-            "seed {seed}"
-        );
-        assert_eq!(
-            h.dst.state(),
-            &DestinationState::Released {
-                how: EndReason::Success
-            },
-            "seed {seed}"
-        );
-        assert_eq!(
-            h.core_noops, 0,
-            "seed {seed}: redundant cleanup on the happy path"
-        );
+        assert_eq!(h.src.state(), &SourceState::Released { how: EndReason::Success }, "seed {seed}");
+        assert_eq!(h.dst.state(), &DestinationState::Released { how: EndReason::Success }, "seed {seed}");
+        assert_eq!(h.core_noops, 0, "seed {seed}: redundant cleanup on the happy path");
         if policy == HandoffPolicy::DestinationFirst {
-            assert_eq!(
-                observed_order(h.facts()),
-                expected_order(policy),
-                "seed {seed}"
-            );
+            assert_eq!(observed_order(h.facts()), expected_order(policy), "seed {seed}");
         }
     }
 }
@@ -703,12 +560,8 @@ fn randomized(policy: HandoffPolicy, seed: u64, fault: Option<u8>) {
 fn inject(h: &mut Harness, kind: u8) {
     let id = h.src.id();
     match kind {
-        0 => h.queue.push(Item::Src(SourceEvent::Cancelled {
-            reason: CancelReason::RequestAborted,
-        })),
-        1 => h.queue.push(Item::Dst(DestinationEvent::Cancelled {
-            reason: CancelReason::RequestAborted,
-        })),
+        0 => h.queue.push(Item::Src(SourceEvent::Cancelled { reason: CancelReason::RequestAborted })),
+        1 => h.queue.push(Item::Dst(DestinationEvent::Cancelled { reason: CancelReason::RequestAborted })),
         2 => {
             if let Some(d) = h.lease_deadline {
                 h.now = h.now.max(d);
@@ -718,8 +571,7 @@ fn inject(h: &mut Harness, kind: u8) {
         3 => {
             if let Some(d) = h.reservation_deadline {
                 h.now = h.now.max(d);
-                h.queue
-                    .push(Item::Dst(DestinationEvent::ReservationExpired));
+                h.queue.push(Item::Dst(DestinationEvent::ReservationExpired));
             }
         }
         4 => {
@@ -737,9 +589,7 @@ fn inject(h: &mut Harness, kind: u8) {
                 handoff: id,
                 from: source_worker(),
                 generation: Generation(4),
-                body: MessageBody::Abort {
-                    reason: CancelReason::OwnerLost,
-                },
+                body: MessageBody::Abort { reason: CancelReason::OwnerLost },
             };
             h.queue.push(Item::Dst(DestinationEvent::Message(msg)));
         }
@@ -748,9 +598,7 @@ fn inject(h: &mut Harness, kind: u8) {
                 handoff: id,
                 from: dest_worker(),
                 generation: Generation(5),
-                body: MessageBody::Abort {
-                    reason: CancelReason::TransferFailed,
-                },
+                body: MessageBody::Abort { reason: CancelReason::TransferFailed },
             };
             h.queue.push(Item::Src(SourceEvent::Message(msg)));
         }
@@ -792,40 +640,18 @@ fn machine_throughput() {
         let mut sent = Vec::new();
         let t = s.handle(SourceEvent::Start, 1).unwrap();
         let t2 = s
-            .handle(
-                SourceEvent::PrefillPinned {
-                    lease: LEASE,
-                    blocks: BLOCKS,
-                    deadline_ns: 10,
-                },
-                2,
-            )
+            .handle(SourceEvent::PrefillPinned { lease: LEASE, blocks: BLOCKS, deadline_ns: 10 }, 2)
             .unwrap();
-        d.handle(
-            DestinationEvent::Routed {
-                worker: dest_worker(),
-            },
-            3,
-        )
-        .unwrap();
+        d.handle(DestinationEvent::Routed { worker: dest_worker() }, 3).unwrap();
         let t3 = d
-            .handle(
-                DestinationEvent::Reserved {
-                    reservation: RES,
-                    prefix_tokens: 0,
-                    missing_tokens: 16,
-                },
-                4,
-            )
+            .handle(DestinationEvent::Reserved { reservation: RES, prefix_tokens: 0, missing_tokens: 16 }, 4)
             .unwrap();
         for a in t3.actions {
             if let DestinationAction::Send { message, .. } = a {
                 sent.push(message);
             }
         }
-        let t4 = s
-            .handle(SourceEvent::Message(sent.pop().unwrap()), 5)
-            .unwrap();
+        let t4 = s.handle(SourceEvent::Message(sent.pop().unwrap()), 5).unwrap();
         for a in t4.actions {
             if let SourceAction::Send { message, .. } = a {
                 d.handle(DestinationEvent::Message(message), 6).unwrap();

@@ -9,12 +9,10 @@ mod lifecycle_common;
 
 use handoff_ledger::events::{Fact, MessageRejection};
 use handoff_ledger::ids::{
-    CancelReason, DestinationReservationId, EndReason, Generation, HandoffId, HandoffPolicy,
-    WorkerId,
+    CancelReason, DestinationReservationId, EndReason, Generation, HandoffId, HandoffPolicy, WorkerId,
 };
 use handoff_ledger::lifecycle::{
-    DestinationAction, DestinationEvent, DestinationHandoff, DestinationState, HandoffMessage,
-    MessageBody,
+    DestinationAction, DestinationEvent, DestinationHandoff, DestinationState, HandoffMessage, MessageBody,
 };
 use lifecycle_common::*;
 use proptest::prelude::*;
@@ -63,7 +61,8 @@ enum Op {
 
 fn op_strategy() -> impl Strategy<Value = Op> {
     let gen = prop_oneof![40 => Just(Gen::Current), 4 => Just(Gen::Stale), 1 => Just(Gen::Newer)];
-    let body = prop_oneof![12 => Just(Body::Ready), 1 => (0..REASONS.len()).prop_map(|i| Body::Abort(REASONS[i]))];
+    let body =
+        prop_oneof![12 => Just(Body::Ready), 1 => (0..REASONS.len()).prop_map(|i| Body::Abort(REASONS[i]))];
     prop_oneof![
         8 => Just(Op::Route),
         1 => Just(Op::RouteElsewhere),
@@ -124,11 +123,7 @@ fn gen_of(g: Gen) -> Generation {
 
 fn body(b: Body, from: WorkerId) -> MessageBody {
     match b {
-        Body::Ready => MessageBody::SourceReady {
-            source: from,
-            blocks: 256,
-            prompt_tokens: PROMPT_TOKENS,
-        },
+        Body::Ready => MessageBody::SourceReady { source: from, blocks: 256, prompt_tokens: PROMPT_TOKENS },
         Body::Abort(r) => MessageBody::Abort { reason: r },
     }
 }
@@ -142,11 +137,7 @@ impl World {
         }
     }
 
-    fn deliver(
-        &mut self,
-        m: &mut DestinationHandoff,
-        ev: DestinationEvent,
-    ) -> Result<(), TestCaseError> {
+    fn deliver(&mut self, m: &mut DestinationHandoff, ev: DestinationEvent) -> Result<(), TestCaseError> {
         let before = m.clone();
         let t = match m.handle(ev, self.now) {
             Err(e) => {
@@ -171,13 +162,8 @@ impl World {
                     self.request_open = true;
                     self.core = Core::Pending;
                 }
-                DestinationAction::ReleaseDestination {
-                    reservation: None, ..
-                } => {
-                    prop_assert!(
-                        self.request_open,
-                        "released a reservation request that is not open"
-                    );
+                DestinationAction::ReleaseDestination { reservation: None, .. } => {
+                    prop_assert!(self.request_open, "released a reservation request that is not open");
                     prop_assert!(
                         !self.reservation_acked,
                         "released the request after its reservation was known"
@@ -187,34 +173,20 @@ impl World {
                         self.core = Core::Canceled;
                     }
                 }
-                DestinationAction::ReleaseDestination {
-                    reservation: Some(r),
-                    ..
-                }
+                DestinationAction::ReleaseDestination { reservation: Some(r), .. }
                 | DestinationAction::ActivateDestination { reservation: r } => {
                     prop_assert_eq!(r, RES);
-                    prop_assert!(
-                        m.reservation() == Some(RES),
-                        "ended a reservation never reported"
-                    );
+                    prop_assert!(m.reservation() == Some(RES), "ended a reservation never reported");
                     self.reservation_ends += 1;
                     prop_assert_eq!(self.reservation_ends, 1, "reservation ended twice");
                     if let DestinationAction::ActivateDestination { .. } = a {
                         prop_assert_eq!(self.receives, 1, "activated without a transfer");
                     }
                 }
-                DestinationAction::StartReceive {
-                    from,
-                    missing_tokens,
-                    bytes,
-                } => {
+                DestinationAction::StartReceive { from, missing_tokens, bytes } => {
                     // Invariant 1: a transfer needs an engine-owned reservation.
                     prop_assert!(self.reservation_acked || m.reservation() == Some(RES));
-                    prop_assert_eq!(
-                        self.reservation_ends,
-                        0,
-                        "transfer into an ended reservation"
-                    );
+                    prop_assert_eq!(self.reservation_ends, 0, "transfer into an ended reservation");
                     prop_assert_eq!(Some(from), m.peer());
                     prop_assert_eq!(missing_tokens, MISSING);
                     prop_assert_eq!(bytes, u64::from(MISSING) * KV_BYTES_PER_TOKEN);
@@ -235,11 +207,7 @@ impl World {
                 }
             }
         }
-        let sends = t
-            .actions
-            .iter()
-            .filter(|a| matches!(a, DestinationAction::Send { .. }))
-            .count();
+        let sends = t.actions.iter().filter(|a| matches!(a, DestinationAction::Send { .. })).count();
         prop_assert_eq!(sends, count(&t.facts, "MessageSent"));
         if let DestinationEvent::ReservationFailed { .. } = ev {
             if before.state() == &DestinationState::Reserving {
@@ -250,20 +218,13 @@ impl World {
             self.reservation_acked = true;
             if self.request_open {
                 self.request_open = false;
-                prop_assert_eq!(
-                    self.reservation_ends,
-                    0,
-                    "a fresh reservation ended at once"
-                );
+                prop_assert_eq!(self.reservation_ends, 0, "a fresh reservation ended at once");
             } else {
                 prop_assert_eq!(self.reservation_ends, 1, "late reservation not released");
             }
         }
         if m.is_released() {
-            prop_assert!(
-                !self.request_open,
-                "released with a reservation request still open"
-            );
+            prop_assert!(!self.request_open, "released with a reservation request still open");
             prop_assert_eq!(
                 self.reservation_ends,
                 u32::from(self.reservation_acked),
@@ -277,12 +238,9 @@ impl World {
                     prop_assert!(t.actions.is_empty() && t.facts.is_empty());
                     prop_assert_eq!(&before, &*m);
                 }
-                (Some(_), _) => prop_assert_eq!(
-                    m.state(),
-                    &DestinationState::Released {
-                        how: EndReason::Expired
-                    }
-                ),
+                (Some(_), _) => {
+                    prop_assert_eq!(m.state(), &DestinationState::Released { how: EndReason::Expired })
+                }
                 (None, DestinationState::Active { .. }) => prop_assert!(t.actions.is_empty()),
                 _ => {}
             }
@@ -290,21 +248,16 @@ impl World {
         if let DestinationEvent::Message(msg) = ev {
             if let (Some(g), Some(p)) = (before.peer_generation(), before.peer()) {
                 if msg.generation < g && msg.from == p && !before.is_released() {
-                    prop_assert_eq!(
-                        &t.facts,
-                        &vec![msg.rejected_fact(MessageRejection::StaleGeneration)]
-                    );
+                    prop_assert_eq!(&t.facts, &vec![msg.rejected_fact(MessageRejection::StaleGeneration)]);
                     prop_assert!(t.actions.is_empty());
                     prop_assert_eq!(&before, &*m);
                 }
-                let live = !before.is_released()
-                    && !matches!(before.state(), DestinationState::Active { .. });
+                let live =
+                    !before.is_released() && !matches!(before.state(), DestinationState::Active { .. });
                 if msg.generation > g && msg.from == p && live {
                     prop_assert_eq!(
                         m.state(),
-                        &DestinationState::Released {
-                            how: EndReason::Canceled(CancelReason::PeerLost)
-                        }
+                        &DestinationState::Released { how: EndReason::Canceled(CancelReason::PeerLost) }
                     );
                 }
             }
@@ -314,9 +267,7 @@ impl World {
                 let only_abort_replies = t.actions.iter().all(|a| {
                     matches!(a, DestinationAction::Send { message, .. } if matches!(message.body, MessageBody::Abort { .. }))
                 });
-                prop_assert!(
-                    t.actions.is_empty() || (*why == MessageRejection::Late && only_abort_replies)
-                );
+                prop_assert!(t.actions.is_empty() || (*why == MessageRejection::Late && only_abort_replies));
                 prop_assert_eq!(before.state(), m.state());
             }
         }
@@ -333,12 +284,7 @@ fn run(
 ) -> Result<(), TestCaseError> {
     let id = handoff_id(21);
     let src = source_worker();
-    let mut m = destination(
-        id,
-        policy,
-        known_source.then_some(src),
-        known_gen.then_some(Generation(1)),
-    );
+    let mut m = destination(id, policy, known_source.then_some(src), known_gen.then_some(Generation(1)));
     let mut w = World {
         id,
         now: 1_000,
@@ -354,21 +300,11 @@ fn run(
     };
     for op in ops {
         match op {
-            Op::Route => w.deliver(
-                &mut m,
-                DestinationEvent::Routed {
-                    worker: dest_worker(),
-                },
-            )?,
+            Op::Route => w.deliver(&mut m, DestinationEvent::Routed { worker: dest_worker() })?,
             Op::RouteElsewhere => {
                 let before = m.clone();
-                let elsewhere = DestinationEvent::Routed {
-                    worker: WorkerId::decode(7),
-                };
-                prop_assert!(
-                    m.handle(elsewhere, w.now).is_err(),
-                    "routed to another worker accepted"
-                );
+                let elsewhere = DestinationEvent::Routed { worker: WorkerId::decode(7) };
+                prop_assert!(m.handle(elsewhere, w.now).is_err(), "routed to another worker accepted");
                 prop_assert_eq!(&before, &m);
             }
             Op::Advance(d) => w.now += d,
@@ -395,12 +331,8 @@ fn run(
             Op::Finish => w.deliver(&mut m, DestinationEvent::RequestFinished)?,
             Op::Heartbeat => w.deliver(&mut m, DestinationEvent::RenewLease)?,
             Op::Msg(g, b) => {
-                let msg = HandoffMessage {
-                    handoff: id,
-                    from: src,
-                    generation: gen_of(g),
-                    body: body(b, src),
-                };
+                let msg =
+                    HandoffMessage { handoff: id, from: src, generation: gen_of(g), body: body(b, src) };
                 w.last_msg = Some(msg);
                 w.deliver(&mut m, DestinationEvent::Message(msg))?;
             }
@@ -426,26 +358,17 @@ fn run(
                     handoff: handoff_id(998),
                     from: src,
                     generation: Generation(1),
-                    body: MessageBody::Abort {
-                        reason: CancelReason::RequestAborted,
-                    },
+                    body: MessageBody::Abort { reason: CancelReason::RequestAborted },
                 };
                 let before = m.clone();
                 prop_assert!(m.handle(DestinationEvent::Message(msg), w.now).is_err());
                 prop_assert_eq!(&before, &m);
             }
             Op::Misrouted => {
-                for body in [
-                    MessageBody::ReceiveCompleted,
-                    MessageBody::ReaderCompleted,
-                    MessageBody::LeaseRenewal,
-                ] {
-                    let msg = HandoffMessage {
-                        handoff: id,
-                        from: src,
-                        generation: Generation(1),
-                        body,
-                    };
+                for body in
+                    [MessageBody::ReceiveCompleted, MessageBody::ReaderCompleted, MessageBody::LeaseRenewal]
+                {
+                    let msg = HandoffMessage { handoff: id, from: src, generation: Generation(1), body };
                     let before = m.clone();
                     prop_assert!(m.handle(DestinationEvent::Message(msg), w.now).is_err());
                     prop_assert_eq!(&before, &m);
@@ -476,9 +399,7 @@ fn run(
         let ev = if active {
             DestinationEvent::RequestFinished
         } else {
-            DestinationEvent::Cancelled {
-                reason: CancelReason::Teardown,
-            }
+            DestinationEvent::Cancelled { reason: CancelReason::Teardown }
         };
         w.deliver(&mut m, ev)?;
     }
@@ -497,30 +418,18 @@ fn run(
     prop_assert_eq!(count(&w.facts, "ReceiveStarted"), w.receives as usize);
     prop_assert_eq!(count(&w.facts, "DestinationRouted"), w.reserves as usize);
     match m.state() {
-        DestinationState::Released {
-            how: EndReason::Success,
-        } => {
+        DestinationState::Released { how: EndReason::Success } => {
             prop_assert_eq!(count(&w.facts, "ReceiveCompleted"), 1);
-            prop_assert_eq!(
-                count(&w.facts, "HandoffCanceled") + count(&w.facts, "ReservationExpired"),
-                0
-            );
+            prop_assert_eq!(count(&w.facts, "HandoffCanceled") + count(&w.facts, "ReservationExpired"), 0);
         }
-        DestinationState::Released {
-            how: EndReason::Expired,
-        } => {
+        DestinationState::Released { how: EndReason::Expired } => {
             prop_assert_eq!(count(&w.facts, "ReservationExpired"), 1)
         }
         DestinationState::Released { .. } => prop_assert_eq!(count(&w.facts, "HandoffCanceled"), 1),
         s => prop_assert!(false, "not released: {:?}", s),
     }
     if std::env::var_os("LIFECYCLE_COVERAGE").is_some() {
-        eprintln!(
-            "COVER {:?} acked={} receives={}",
-            m.state(),
-            w.reservation_acked,
-            w.receives
-        );
+        eprintln!("COVER {:?} acked={} receives={}", m.state(), w.reservation_acked, w.receives);
     }
     Ok(())
 }
@@ -551,36 +460,18 @@ fn ready_before_reserved_starts_receive_on_reservation_and_late_reservation_is_f
     let id = handoff_id(4);
     let src = source_worker();
     let mut m = destination(id, HandoffPolicy::SourceFirst, None, None);
-    m.handle(
-        DestinationEvent::Routed {
-            worker: dest_worker(),
-        },
-        0,
-    )
-    .unwrap();
+    m.handle(DestinationEvent::Routed { worker: dest_worker() }, 0).unwrap();
     let ready = HandoffMessage {
         handoff: id,
         from: src,
         generation: Generation(1),
-        body: MessageBody::SourceReady {
-            source: src,
-            blocks: 256,
-            prompt_tokens: PROMPT_TOKENS,
-        },
+        body: MessageBody::SourceReady { source: src, blocks: 256, prompt_tokens: PROMPT_TOKENS },
     };
     let t = m.handle(DestinationEvent::Message(ready), 1).unwrap();
-    assert!(
-        t.actions.is_empty(),
-        "no transfer without a reservation: {:?}",
-        t.actions
-    );
+    assert!(t.actions.is_empty(), "no transfer without a reservation: {:?}", t.actions);
     let t = m
         .handle(
-            DestinationEvent::Reserved {
-                reservation: RES,
-                prefix_tokens: 0,
-                missing_tokens: PROMPT_TOKENS,
-            },
+            DestinationEvent::Reserved { reservation: RES, prefix_tokens: 0, missing_tokens: PROMPT_TOKENS },
             2,
         )
         .unwrap();
@@ -588,54 +479,20 @@ fn ready_before_reserved_starts_receive_on_reservation_and_late_reservation_is_f
         .actions
         .iter()
         .any(|a| matches!(a, DestinationAction::StartReceive { from, .. } if *from == src)));
-    assert!(t
-        .actions
-        .iter()
-        .any(|a| matches!(a, DestinationAction::Send { message, .. }
+    assert!(t.actions.iter().any(|a| matches!(a, DestinationAction::Send { message, .. }
         if matches!(message.body, MessageBody::DestinationReserved { .. }))));
     assert_eq!(m.state_name(), "Receiving");
 
-    let mut n = destination(
-        handoff_id(5),
-        HandoffPolicy::DestinationFirst,
-        Some(src),
-        None,
-    );
-    n.handle(
-        DestinationEvent::Routed {
-            worker: dest_worker(),
-        },
-        0,
-    )
-    .unwrap();
-    let t = n
-        .handle(
-            DestinationEvent::Cancelled {
-                reason: CancelReason::RequestAborted,
-            },
-            1,
-        )
-        .unwrap();
+    let mut n = destination(handoff_id(5), HandoffPolicy::DestinationFirst, Some(src), None);
+    n.handle(DestinationEvent::Routed { worker: dest_worker() }, 0).unwrap();
+    let t = n.handle(DestinationEvent::Cancelled { reason: CancelReason::RequestAborted }, 1).unwrap();
     let how = EndReason::Canceled(CancelReason::RequestAborted);
-    assert_eq!(
-        t.actions[0],
-        DestinationAction::ReleaseDestination {
-            reservation: None,
-            reason: how
-        }
-    );
-    let late = DestinationEvent::Reserved {
-        reservation: RES,
-        prefix_tokens: 0,
-        missing_tokens: 1,
-    };
+    assert_eq!(t.actions[0], DestinationAction::ReleaseDestination { reservation: None, reason: how });
+    let late = DestinationEvent::Reserved { reservation: RES, prefix_tokens: 0, missing_tokens: 1 };
     let t = n.handle(late, 2).unwrap();
     assert_eq!(
         t.actions,
-        vec![DestinationAction::ReleaseDestination {
-            reservation: Some(RES),
-            reason: how
-        }]
+        vec![DestinationAction::ReleaseDestination { reservation: Some(RES), reason: how }]
     );
     assert!(n.handle(late, 3).unwrap().actions.is_empty());
 }

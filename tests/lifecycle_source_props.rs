@@ -6,9 +6,7 @@
 mod lifecycle_common;
 
 use handoff_ledger::events::{Fact, MessageRejection};
-use handoff_ledger::ids::{
-    CancelReason, EndReason, Generation, HandoffId, HandoffPolicy, SourceLeaseId,
-};
+use handoff_ledger::ids::{CancelReason, EndReason, Generation, HandoffId, HandoffPolicy, SourceLeaseId};
 use handoff_ledger::ids::{DestinationReservationId, WorkerId};
 use handoff_ledger::lifecycle::{
     HandoffMessage, MessageBody, SourceAction, SourceEvent, SourceHandoff, SourceState,
@@ -141,11 +139,7 @@ fn gen_of(g: Gen) -> Generation {
 
 impl World {
     fn pin_event(&self) -> SourceEvent {
-        SourceEvent::PrefillPinned {
-            lease: LEASE,
-            blocks: 256,
-            deadline_ns: self.now + LEASE_NS,
-        }
+        SourceEvent::PrefillPinned { lease: LEASE, blocks: 256, deadline_ns: self.now + LEASE_NS }
     }
 
     /// Deliver one event and check every per-step rule.
@@ -169,22 +163,11 @@ impl World {
                 prop_assert!(t.actions.is_empty() && t.facts.is_empty());
                 prop_assert_eq!(&before, &*m);
             } else {
-                prop_assert_eq!(
-                    m.state(),
-                    &SourceState::Released {
-                        how: EndReason::Expired
-                    }
-                );
+                prop_assert_eq!(m.state(), &SourceState::Released { how: EndReason::Expired });
             }
         }
         // A renewal moves the deadline to at least now + renew_ns, never earlier.
-        if let SourceEvent::Message(
-            msg @ HandoffMessage {
-                body: MessageBody::LeaseRenewal,
-                ..
-            },
-        ) = ev
-        {
+        if let SourceEvent::Message(msg @ HandoffMessage { body: MessageBody::LeaseRenewal, .. }) = ev {
             let applied = t.facts.contains(&msg.received_fact());
             if let Some(old) = before.deadline_ns() {
                 if before.peer_generation() == Some(msg.generation) && old < self.now + RENEW_NS {
@@ -199,10 +182,7 @@ impl World {
         if let SourceEvent::Message(msg) = ev {
             if let (Some(g), Some(p)) = (before.peer_generation(), before.peer()) {
                 if msg.generation < g && msg.from == p && !before.is_released() {
-                    prop_assert_eq!(
-                        &t.facts,
-                        &vec![msg.rejected_fact(MessageRejection::StaleGeneration)]
-                    );
+                    prop_assert_eq!(&t.facts, &vec![msg.rejected_fact(MessageRejection::StaleGeneration)]);
                     prop_assert!(t.actions.is_empty());
                     prop_assert_eq!(&before, &*m);
                 }
@@ -224,10 +204,7 @@ impl World {
                 SourceAction::CancelPrefill { .. } => {
                     self.cancel_prefills += 1;
                     prop_assert!(self.dispatch_open, "CancelPrefill without an open dispatch");
-                    prop_assert!(
-                        !self.lease_acked,
-                        "CancelPrefill for a pin the machine holds"
-                    );
+                    prop_assert!(!self.lease_acked, "CancelPrefill for a pin the machine holds");
                     self.dispatch_open = false;
                     if self.core == Core::Computing {
                         self.core = Core::Canceled;
@@ -249,11 +226,7 @@ impl World {
                 }
             }
         }
-        let sends = t
-            .actions
-            .iter()
-            .filter(|a| matches!(a, SourceAction::Send { .. }))
-            .count();
+        let sends = t.actions.iter().filter(|a| matches!(a, SourceAction::Send { .. })).count();
         prop_assert_eq!(sends, count(&t.facts, "MessageSent"));
         if let SourceEvent::PrefillFailed { .. } = ev {
             if before.state() == &SourceState::Computing {
@@ -297,9 +270,7 @@ impl World {
                     if *generation > g && !before.is_released() {
                         prop_assert_eq!(
                             m.state(),
-                            &SourceState::Released {
-                                how: EndReason::Canceled(CancelReason::PeerLost)
-                            }
+                            &SourceState::Released { how: EndReason::Canceled(CancelReason::PeerLost) }
                         );
                     }
                 }
@@ -310,20 +281,10 @@ impl World {
     }
 }
 
-fn run(
-    policy: HandoffPolicy,
-    known_dest: bool,
-    known_gen: bool,
-    ops: Vec<Op>,
-) -> Result<(), TestCaseError> {
+fn run(policy: HandoffPolicy, known_dest: bool, known_gen: bool, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let id = handoff_id(11);
     let dest = dest_worker();
-    let mut m = source(
-        id,
-        policy,
-        known_dest.then_some(dest),
-        known_gen.then_some(Generation(1)),
-    );
+    let mut m = source(id, policy, known_dest.then_some(dest), known_gen.then_some(Generation(1)));
     let mut w = World {
         id,
         now: 1_000,
@@ -361,12 +322,8 @@ fn run(
             Op::LeaseTimer => w.deliver(&mut m, SourceEvent::LeaseExpired)?,
             Op::Cancel(r) => w.deliver(&mut m, SourceEvent::Cancelled { reason: r })?,
             Op::Msg(g, b) => {
-                let msg = HandoffMessage {
-                    handoff: id,
-                    from: dest,
-                    generation: gen_of(g),
-                    body: body(b, dest),
-                };
+                let msg =
+                    HandoffMessage { handoff: id, from: dest, generation: gen_of(g), body: body(b, dest) };
                 w.last_msg = Some(msg);
                 w.deliver(&mut m, SourceEvent::Message(msg))?;
             }
@@ -405,11 +362,7 @@ fn run(
                     handoff: id,
                     from: dest,
                     generation: Generation(1),
-                    body: MessageBody::SourceReady {
-                        source: dest,
-                        blocks: 1,
-                        prompt_tokens: 1,
-                    },
+                    body: MessageBody::SourceReady { source: dest, blocks: 1, prompt_tokens: 1 },
                 };
                 let before = m.clone();
                 prop_assert!(m.handle(SourceEvent::Message(msg), w.now).is_err());
@@ -424,11 +377,8 @@ fn run(
                 // A pin the core never made: refused when nothing was dispatched, and a second
                 // lease is refused once one is known. (A pin while computing is indistinguishable
                 // from a real one, so it is not probed.)
-                let ev = SourceEvent::PrefillPinned {
-                    lease: SourceLeaseId(1),
-                    blocks: 1,
-                    deadline_ns: w.now,
-                };
+                let ev =
+                    SourceEvent::PrefillPinned { lease: SourceLeaseId(1), blocks: 1, deadline_ns: w.now };
                 if w.dispatches == 0 || w.lease_acked {
                     let before = m.clone();
                     prop_assert!(m.handle(ev, w.now).is_err(), "bogus pin accepted");
@@ -438,31 +388,16 @@ fn run(
         }
     }
     // Teardown: whatever is left is canceled, and a pin still in flight arrives late (twice).
-    w.deliver(
-        &mut m,
-        SourceEvent::Cancelled {
-            reason: CancelReason::Teardown,
-        },
-    )?;
+    w.deliver(&mut m, SourceEvent::Cancelled { reason: CancelReason::Teardown })?;
     prop_assert!(m.is_released());
     if w.core == Core::Pinned {
         let ev = w.pin_event();
         w.deliver(&mut m, ev)?;
         w.deliver(&mut m, ev)?;
     }
-    prop_assert_eq!(
-        w.released_entries,
-        1,
-        "entered Released {} times",
-        w.released_entries
-    );
+    prop_assert_eq!(w.released_entries, 1, "entered Released {} times", w.released_entries);
     if std::env::var_os("LIFECYCLE_COVERAGE").is_some() {
-        eprintln!(
-            "COVER {:?} acked={} dispatched={}",
-            m.state(),
-            w.lease_acked,
-            w.dispatches
-        );
+        eprintln!("COVER {:?} acked={} dispatched={}", m.state(), w.lease_acked, w.dispatches);
     }
     prop_assert!(!w.dispatch_open, "a dispatch was never ended");
     if w.lease_acked {
@@ -478,27 +413,20 @@ fn run(
     let ended = count(&w.facts, "HandoffCanceled")
         + count(&w.facts, "ReaderCompleted")
         + count(&w.facts, "LeaseExpired");
-    prop_assert_eq!(
-        ended,
-        1,
-        "the handoff must end by exactly one of cancel, reader completion, expiry"
-    );
+    prop_assert_eq!(ended, 1, "the handoff must end by exactly one of cancel, reader completion, expiry");
     match m.state() {
-        SourceState::Released {
-            how: EndReason::Success,
-        } => prop_assert_eq!(count(&w.facts, "ReaderCompleted"), 1),
-        SourceState::Released {
-            how: EndReason::Expired,
-        } => prop_assert_eq!(count(&w.facts, "LeaseExpired"), 1),
+        SourceState::Released { how: EndReason::Success } => {
+            prop_assert_eq!(count(&w.facts, "ReaderCompleted"), 1)
+        }
+        SourceState::Released { how: EndReason::Expired } => {
+            prop_assert_eq!(count(&w.facts, "LeaseExpired"), 1)
+        }
         SourceState::Released { .. } => prop_assert_eq!(count(&w.facts, "HandoffCanceled"), 1),
         s => prop_assert!(false, "not released: {:?}", s),
     }
     // Destination-first never dispatches before the destination's reservation was applied.
     if policy == HandoffPolicy::DestinationFirst {
-        let dispatched = w
-            .facts
-            .iter()
-            .position(|f| matches!(f, Fact::PrefillDispatched { .. }));
+        let dispatched = w.facts.iter().position(|f| matches!(f, Fact::PrefillDispatched { .. }));
         if let Some(d) = dispatched {
             let reserved = w.facts.iter().position(|f| {
                 matches!(
@@ -545,29 +473,10 @@ fn pin_racing_a_cancel_is_released_once() {
     let id = handoff_id(3);
     let mut m = source(id, HandoffPolicy::SourceFirst, None, None);
     let t = m.handle(SourceEvent::Start, 0).unwrap();
-    assert_eq!(
-        t.actions,
-        vec![SourceAction::DispatchPrefill { lease_ns: LEASE_NS }]
-    );
-    let t = m
-        .handle(
-            SourceEvent::Cancelled {
-                reason: CancelReason::RequestAborted,
-            },
-            5,
-        )
-        .unwrap();
-    assert_eq!(
-        t.actions,
-        vec![SourceAction::CancelPrefill {
-            reason: CancelReason::RequestAborted
-        }]
-    );
-    let pin = SourceEvent::PrefillPinned {
-        lease: LEASE,
-        blocks: 8,
-        deadline_ns: 100,
-    };
+    assert_eq!(t.actions, vec![SourceAction::DispatchPrefill { lease_ns: LEASE_NS }]);
+    let t = m.handle(SourceEvent::Cancelled { reason: CancelReason::RequestAborted }, 5).unwrap();
+    assert_eq!(t.actions, vec![SourceAction::CancelPrefill { reason: CancelReason::RequestAborted }]);
+    let pin = SourceEvent::PrefillPinned { lease: LEASE, blocks: 8, deadline_ns: 100 };
     let t = m.handle(pin, 6).unwrap();
     assert_eq!(
         t.actions,

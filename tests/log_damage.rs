@@ -50,8 +50,7 @@ fn torn_tail_at_every_byte_of_the_last_record_is_recovered() {
         let (recs, end) = read_all(torn);
         let end = end.unwrap_or_else(|e| panic!("cut at {cut}: {e}"));
         assert_eq!(recs, all[..n - 1], "cut at {cut}: every earlier record recovered");
-        let want =
-            (cut > last).then_some(TornTail { offset: last as u64, bytes: (cut - last) as u64 });
+        let want = (cut > last).then_some(TornTail { offset: last as u64, bytes: (cut - last) as u64 });
         assert_eq!(end, want, "cut at {cut}");
 
         // On disk: verify reports without writing; recover truncates to a clean stream.
@@ -87,10 +86,7 @@ fn a_flipped_byte_in_a_middle_record_names_its_offset() {
                     Ok(t) => panic!("byte {pos} ^ {mask:#x} of record {victim}: no error ({t:?})"),
                 };
                 assert_eq!(err.offset(), Some(start as u64), "byte {pos} ^ {mask:#x}: {err}");
-                assert!(
-                    matches!(err, LogError::Corrupt { .. } | LogError::SequenceGap { .. }),
-                    "{err}"
-                );
+                assert!(matches!(err, LogError::Corrupt { .. } | LogError::SequenceGap { .. }), "{err}");
                 let msg = err.to_string();
                 assert!(msg.contains("mem.hlog"), "{msg}");
                 assert!(msg.contains(&format!("byte offset {start}")), "{msg}");
@@ -297,4 +293,39 @@ fn verify_counts_records_and_distinct_handoffs() {
     assert_eq!(s.first_at_ns, Some(facts[0].0));
     assert_eq!(s.last_at_ns, Some(facts.last().unwrap().0));
     assert_eq!(s.bytes, bytes.len() as u64);
+}
+
+mod no_panic {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+        /// Arbitrary damage (overwritten bytes, garbage appended, cuts) never panics: every
+        /// outcome is records, a clean end, a torn tail, or a typed error.
+        #[test]
+        fn arbitrary_damage_never_panics(
+            edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..6),
+            tail in prop::collection::vec(any::<u8>(), 0..64),
+            cut in any::<prop::sample::Index>(),
+        ) {
+            let (mut bytes, _) = sample();
+            for (i, b) in edits {
+                let at = i.index(bytes.len());
+                bytes[at] = b;
+            }
+            bytes.extend_from_slice(&tail);
+            let keep = cut.index(bytes.len() + 1);
+            bytes.truncate(keep);
+            let (recs, end) = read_all(&bytes);
+            if let Err(e) = &end {
+                // Errors point inside the file.
+                if let Some(off) = e.offset() {
+                    prop_assert!(off <= bytes.len() as u64, "{e}");
+                }
+            }
+            prop_assert!(recs.len() <= golden_facts().len() + tail.len());
+        }
+    }
 }

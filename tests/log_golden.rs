@@ -13,8 +13,8 @@ use handoff_ledger::events::{
     StreamReader, StreamWriter,
 };
 use handoff_ledger::ids::{
-    Backend, ClockDomain, DestinationReservationId, EndReason, HandoffPolicy, KvHandoffDemand,
-    RequestId, SourceLeaseId, WorkerId,
+    Backend, ClockDomain, DestinationReservationId, EndReason, HandoffPolicy, KvHandoffDemand, RequestId,
+    SourceLeaseId, WorkerId,
 };
 use std::path::PathBuf;
 use uuid::Uuid;
@@ -123,10 +123,7 @@ fn run_streams() -> Vec<(StreamHeader, Vec<(u64, Fact)>)> {
             run_header(R, EngineShape::none()),
             vec![
                 (0, Fact::RequestArrived { request: req, input_tokens: 64, output_tokens: 8 }),
-                (
-                    10,
-                    Fact::PrefillBooked { request: req, worker: P, prefill_tokens: 64, blocks: 4 },
-                ),
+                (10, Fact::PrefillBooked { request: req, worker: P, prefill_tokens: 64, blocks: 4 }),
                 (20, Fact::DecodeBooked { request: req, worker: D, blocks: 5 }),
                 (50, Fact::PrefillBookingFreed { request: req, worker: P }),
             ],

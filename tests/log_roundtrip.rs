@@ -4,9 +4,7 @@
 mod common;
 
 use common::{any_header, fact, header, ordinal, FACT_VARIANTS};
-use handoff_ledger::events::{
-    codec, Fact, Record, StreamReader, StreamWriter, FORMAT_VERSION, MAGIC,
-};
+use handoff_ledger::events::{codec, Fact, Record, StreamReader, StreamWriter, FORMAT_VERSION, MAGIC};
 use handoff_ledger::ids::WorkerId;
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;

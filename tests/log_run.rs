@@ -5,8 +5,8 @@ mod common;
 
 use common::{fact, header};
 use handoff_ledger::events::{
-    recover_run, stream_file_name, verify_run, write_merged, Fact, LogError, Record, RunKind,
-    RunReader, RunWriter, StreamHeader, StreamWriter, TornTail,
+    recover_run, stream_file_name, verify_run, write_merged, Fact, LogError, Record, RunKind, RunReader,
+    RunWriter, StreamHeader, StreamWriter, TornTail,
 };
 use handoff_ledger::ids::{RequestId, Role, WorkerId};
 use proptest::prelude::*;
@@ -138,8 +138,7 @@ fn equal_timestamps_follow_canonical_worker_order() {
     }
     rw.finish().unwrap();
     let (hs, got) = read_run(tmp.path());
-    let order: Vec<(String, u64)> =
-        got.iter().map(|(i, r)| (hs[*i].worker.to_string(), r.seq)).collect();
+    let order: Vec<(String, u64)> = got.iter().map(|(i, r)| (hs[*i].worker.to_string(), r.seq)).collect();
     let want = [
         ("prefill-0", 0),
         ("prefill-0", 1),
@@ -330,4 +329,41 @@ fn a_lone_stream_file_reads_as_a_run_of_one() {
     let (hs, recs) = read_run(&p);
     assert_eq!(hs[0].worker, WorkerId::decode(2));
     assert_eq!(recs, vec![(0, Record { seq: 0, at_ns: 3, fact: Fact::KvCleared })]);
+}
+
+#[test]
+fn workers_can_be_declared_after_create() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut rw = RunWriter::create(tmp.path(), []).unwrap();
+    rw.declare(header(4, WorkerId::decode(1))).unwrap();
+    rw.append(WorkerId::decode(1), 10, &Fact::KvCleared).unwrap();
+    rw.declare(header(4, WorkerId::prefill(0))).unwrap();
+    assert!(matches!(rw.declare(header(5, WorkerId::prefill(2))), Err(LogError::RunIdMismatch { .. })));
+    assert!(matches!(rw.declare(header(4, WorkerId::decode(1))), Err(LogError::DuplicateWorker { .. })));
+    let router1 = WorkerId { role: Role::Router, index: 1, dp_rank: 0 };
+    assert!(matches!(rw.declare(header(4, router1)), Err(LogError::WorkerMismatch { .. })));
+    let files = rw.finish().unwrap();
+    assert_eq!(files.len(), 2);
+    let (hs, recs) = read_run(tmp.path());
+    assert_eq!(hs.iter().map(|h| h.worker).collect::<Vec<_>>(), [WorkerId::prefill(0), WorkerId::decode(1)]);
+    assert_eq!(recs, vec![(1, Record { seq: 0, at_ns: 10, fact: Fact::KvCleared })]);
+}
+
+#[test]
+fn a_failed_merge_leaves_no_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let mut rw = RunWriter::create(&dir, [header(1, WorkerId::prefill(0))]).unwrap();
+    for t in 0..5u64 {
+        rw.append(WorkerId::prefill(0), t, &Fact::KvCleared).unwrap();
+    }
+    let files = rw.finish().unwrap();
+    let mut bytes = std::fs::read(&files[0]).unwrap();
+    let n = bytes.len();
+    bytes[n - 1] ^= 0xFF; // damage the last record's fact: a checksum error, not a torn tail
+    std::fs::write(&files[0], &bytes).unwrap();
+    let out = tmp.path().join("m.hrun");
+    assert!(matches!(write_merged(&dir, &out), Err(LogError::Corrupt { .. })));
+    assert!(!out.exists());
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1, "no temp file left behind");
 }

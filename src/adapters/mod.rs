@@ -1,1 +1,3 @@
 //! Adapters do the IO: clocks, replay (virtual time, trace readers), live (processes, transport).
+
+pub mod replay;

@@ -16,20 +16,14 @@ fn config() -> bincode::config::Configuration {
 
 /// Appends the encoding of `value` to `out`.
 pub fn encode_into<T: Serialize>(value: &T, out: &mut Vec<u8>) -> Result<(), String> {
-    bincode::serde::encode_into_std_write(value, out, config())
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+    bincode::serde::encode_into_std_write(value, out, config()).map(|_| ()).map_err(|e| e.to_string())
 }
 
 /// Decodes one value that must fill `bytes` exactly.
 pub fn decode_exact<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
-    let (value, used) =
-        bincode::serde::decode_from_slice(bytes, config()).map_err(|e| e.to_string())?;
+    let (value, used) = bincode::serde::decode_from_slice(bytes, config()).map_err(|e| e.to_string())?;
     if used != bytes.len() {
-        return Err(format!(
-            "{} trailing bytes after the value",
-            bytes.len() - used
-        ));
+        return Err(format!("{} trailing bytes after the value", bytes.len() - used));
     }
     Ok(value)
 }

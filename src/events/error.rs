@@ -22,60 +22,31 @@ pub enum LogError {
 
     /// The file does not start with the stream (or merged-run) magic.
     #[error("{}: not a handoff-ledger log: bad magic at byte offset 0 (expected {expected:?}, found {found:?})", path.display())]
-    BadMagic {
-        path: PathBuf,
-        expected: String,
-        found: String,
-    },
+    BadMagic { path: PathBuf, expected: String, found: String },
 
     /// The file was written by a format version this build does not read.
     #[error("{}: unsupported format version {found} at byte offset 8 (this build reads version {supported})", path.display())]
-    UnsupportedVersion {
-        path: PathBuf,
-        found: u16,
-        supported: u16,
-    },
+    UnsupportedVersion { path: PathBuf, found: u16, supported: u16 },
 
     /// The file's bytes were encoded under a codec configuration this build does not know.
     #[error("{}: unknown codec id {found} at byte offset 10 (this build reads codec {supported})", path.display())]
-    UnknownCodec {
-        path: PathBuf,
-        found: u16,
-        supported: u16,
-    },
+    UnknownCodec { path: PathBuf, found: u16, supported: u16 },
 
     /// The header (or, in a merged run, one of the stream headers) is damaged or cut short.
     #[error("{}: corrupt header at byte offset {offset}: {reason}", path.display())]
-    CorruptHeader {
-        path: PathBuf,
-        offset: u64,
-        reason: String,
-    },
+    CorruptHeader { path: PathBuf, offset: u64, reason: String },
 
     /// A full-length record is damaged: bad checksum, undecodable fact, impossible length.
     #[error("{}: corrupt record at byte offset {offset}: {reason}", path.display())]
-    Corrupt {
-        path: PathBuf,
-        offset: u64,
-        reason: String,
-    },
+    Corrupt { path: PathBuf, offset: u64, reason: String },
 
     /// A record's sequence number is not its predecessor's plus one.
     #[error("{}: sequence gap at byte offset {offset}: expected seq {expected}, found {found}", path.display())]
-    SequenceGap {
-        path: PathBuf,
-        offset: u64,
-        expected: u64,
-        found: u64,
-    },
+    SequenceGap { path: PathBuf, offset: u64, expected: u64, found: u64 },
 
     /// A writer was asked to frame a record larger than [`crate::events::MAX_RECORD_BYTES`].
     #[error("{}: record of {bytes} bytes exceeds the maximum record size of {max} bytes", path.display())]
-    RecordTooLarge {
-        path: PathBuf,
-        bytes: usize,
-        max: usize,
-    },
+    RecordTooLarge { path: PathBuf, bytes: usize, max: usize },
 
     /// A fact or header could not be encoded (a codec bug; facts are plain data).
     #[error("{}: cannot encode: {reason}", path.display())]
@@ -88,20 +59,11 @@ pub enum LogError {
 
     /// A stream belongs to another run than the run's first stream.
     #[error("{}: stream of worker {worker} belongs to run {found}, but the run is {expected}", path.display())]
-    RunIdMismatch {
-        path: PathBuf,
-        worker: WorkerId,
-        expected: Uuid,
-        found: Uuid,
-    },
+    RunIdMismatch { path: PathBuf, worker: WorkerId, expected: Uuid, found: Uuid },
 
     /// A stream file's name and its header disagree on the worker.
     #[error("{}: file is named for worker {named} but its header says worker {found}", path.display())]
-    WorkerMismatch {
-        path: PathBuf,
-        named: WorkerId,
-        found: WorkerId,
-    },
+    WorkerMismatch { path: PathBuf, named: WorkerId, found: WorkerId },
 
     /// Two streams of one run claim the same worker.
     #[error("{}: worker {worker} has more than one stream in this run", path.display())]
@@ -121,20 +83,13 @@ pub enum LogError {
 
     /// More streams than a merged run can index (u16).
     #[error("{}: {count} streams exceed the merged-run limit of {max}", path.display())]
-    TooManyStreams {
-        path: PathBuf,
-        count: usize,
-        max: usize,
-    },
+    TooManyStreams { path: PathBuf, count: usize, max: usize },
 }
 
 impl LogError {
     /// Wraps an I/O error with the file it concerns.
     pub fn io(path: impl Into<PathBuf>, source: io::Error) -> Self {
-        LogError::Io {
-            path: path.into(),
-            source,
-        }
+        LogError::Io { path: path.into(), source }
     }
 
     /// The byte offset the error points at, when it points at one.

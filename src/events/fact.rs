@@ -11,8 +11,8 @@
 //! are conserved); request slots and decode headroom ride beside it and never enter that sum.
 
 use crate::ids::{
-    CancelReason, DestinationReservationId, EndReason, Generation, HandoffId, HandoffPolicy,
-    KvHandoffDemand, RequestId, SourceLeaseId, WorkerId,
+    CancelReason, DestinationReservationId, EndReason, Generation, HandoffId, HandoffPolicy, KvHandoffDemand,
+    RequestId, SourceLeaseId, WorkerId,
 };
 use serde::{Deserialize, Serialize};
 
@@ -148,56 +148,31 @@ pub enum Fact {
 
     // ----- requests (router stream and engine streams) -----
     /// The frontend received a request.
-    RequestArrived {
-        request: RequestId,
-        input_tokens: u32,
-        output_tokens: u32,
-    },
+    RequestArrived { request: RequestId, input_tokens: u32, output_tokens: u32 },
     /// The engine queued the request as waiting work.
     RequestQueued { request: RequestId },
     /// The engine scheduled the request into its running batch; `kv` is the prompt allocation.
-    RequestScheduled {
-        request: RequestId,
-        cached_tokens: u32,
-        kv: KvDelta,
-    },
+    RequestScheduled { request: RequestId, cached_tokens: u32, kv: KvDelta },
     /// The engine produced the request's first output token.
     FirstTokenEmitted { request: RequestId },
     /// The engine preempted (or SGLang retracted) a running request back to waiting.
     RequestPreempted { request: RequestId, kv: KvDelta },
     /// The request reached a terminal outcome on this stream; `kv` returns what it held.
-    RequestFinished {
-        request: RequestId,
-        status: TerminalStatus,
-        output_tokens: u32,
-        kv: KvDelta,
-    },
+    RequestFinished { request: RequestId, status: TerminalStatus, output_tokens: u32, kv: KvDelta },
     /// The engine refused the request without running it.
-    RequestRejected {
-        request: RequestId,
-        reason: RejectReason,
-    },
+    RequestRejected { request: RequestId, reason: RejectReason },
 
     // ----- engine steps -----
     /// One forward pass. `kv` covers allocations made during the step that no other fact names
     /// (prefill chunks of already-running requests, decode growth).
-    StepExecuted {
-        prefill_tokens: u32,
-        decode_tokens: u32,
-        batch_size: u32,
-        duration_ns: u64,
-        kv: KvDelta,
-    },
+    StepExecuted { prefill_tokens: u32, decode_tokens: u32, batch_size: u32, duration_ns: u64, kv: KvDelta },
     /// Cached-free blocks were evicted outside an allocation (rare; allocations fold their own
     /// evictions into their delta).
     KvEvicted { kv: KvDelta },
 
     // ----- KV index visibility -----
     /// Blocks became valid and reusable under these hashes.
-    KvStored {
-        parent: Option<BlockHash>,
-        blocks: Vec<BlockHash>,
-    },
+    KvStored { parent: Option<BlockHash>, blocks: Vec<BlockHash> },
     /// Blocks stopped being reusable under these hashes.
     KvRemoved { blocks: Vec<BlockHash> },
     /// Everything this worker had published is gone.
@@ -205,12 +180,7 @@ pub enum Fact {
 
     // ----- handoff lifecycle, source role -----
     /// A handoff began on this worker (both roles record it).
-    HandoffStarted {
-        handoff: HandoffId,
-        request: RequestId,
-        policy: HandoffPolicy,
-        demand: KvHandoffDemand,
-    },
+    HandoffStarted { handoff: HandoffId, request: RequestId, policy: HandoffPolicy, demand: KvHandoffDemand },
     /// The prefill for this handoff was dispatched to the source engine.
     PrefillDispatched { handoff: HandoffId },
     /// Terminal prefill ownership became a held source pin, atomically (active → pinned).
@@ -223,44 +193,23 @@ pub enum Fact {
         kv: KvDelta,
     },
     /// The source's lease was extended.
-    LeaseRenewed {
-        handoff: HandoffId,
-        lease: SourceLeaseId,
-        deadline_ns: u64,
-    },
+    LeaseRenewed { handoff: HandoffId, lease: SourceLeaseId, deadline_ns: u64 },
     /// The source's lease deadline passed before its readers completed.
-    LeaseExpired {
-        handoff: HandoffId,
-        lease: SourceLeaseId,
-    },
+    LeaseExpired { handoff: HandoffId, lease: SourceLeaseId },
     /// All readers acknowledged the transfer.
     ReaderCompleted { handoff: HandoffId },
     /// The pin ended (exactly once per lease): blocks return to the cache or are freed.
-    SourceReleased {
-        handoff: HandoffId,
-        lease: SourceLeaseId,
-        reason: EndReason,
-        kv: KvDelta,
-    },
+    SourceReleased { handoff: HandoffId, lease: SourceLeaseId, reason: EndReason, kv: KvDelta },
 
     // ----- handoff lifecycle, destination role -----
     /// The decode router picked this worker as the destination.
-    DestinationRouted {
-        handoff: HandoffId,
-        worker: WorkerId,
-    },
+    DestinationRouted { handoff: HandoffId, worker: WorkerId },
     /// The reservation waits in the pending FIFO for capacity.
     ReservationQueued { handoff: HandoffId },
     /// A reservation attempt found no capacity; it stays queued.
-    ReservationRefused {
-        handoff: HandoffId,
-        reason: RejectReason,
-    },
+    ReservationRefused { handoff: HandoffId, reason: RejectReason },
     /// A queued reservation left the FIFO without ever reserving (canceled while pending).
-    ReservationDequeued {
-        handoff: HandoffId,
-        reason: CancelReason,
-    },
+    ReservationDequeued { handoff: HandoffId, reason: CancelReason },
     /// The destination reserved slot, prefix snapshot, delta pages and headroom.
     DestinationReserved {
         handoff: HandoffId,
@@ -276,24 +225,13 @@ pub enum Fact {
         kv: KvDelta,
     },
     /// Transfer into the reservation began.
-    ReceiveStarted {
-        handoff: HandoffId,
-        from: WorkerId,
-        bytes: u64,
-    },
+    ReceiveStarted { handoff: HandoffId, from: WorkerId, bytes: u64 },
     /// Destination KV is valid; decode may activate.
     ReceiveCompleted { handoff: HandoffId },
     /// The reservation became an active request (reserved → active); the request is queued.
-    DestinationActivated {
-        handoff: HandoffId,
-        reservation: DestinationReservationId,
-        kv: KvDelta,
-    },
+    DestinationActivated { handoff: HandoffId, reservation: DestinationReservationId, kv: KvDelta },
     /// The reservation's deadline passed before activation.
-    ReservationExpired {
-        handoff: HandoffId,
-        reservation: DestinationReservationId,
-    },
+    ReservationExpired { handoff: HandoffId, reservation: DestinationReservationId },
     /// The reservation ended without activation (exactly once per reservation).
     ReservationReleased {
         handoff: HandoffId,
@@ -304,23 +242,11 @@ pub enum Fact {
 
     // ----- handoff lifecycle, both roles -----
     /// The handoff was canceled on this role.
-    HandoffCanceled {
-        handoff: HandoffId,
-        reason: CancelReason,
-    },
+    HandoffCanceled { handoff: HandoffId, reason: CancelReason },
     /// A handoff message left this worker.
-    MessageSent {
-        handoff: HandoffId,
-        kind: MessageKind,
-        to: WorkerId,
-    },
+    MessageSent { handoff: HandoffId, kind: MessageKind, to: WorkerId },
     /// A handoff message arrived and was applied.
-    MessageReceived {
-        handoff: HandoffId,
-        kind: MessageKind,
-        from: WorkerId,
-        generation: Generation,
-    },
+    MessageReceived { handoff: HandoffId, kind: MessageKind, from: WorkerId, generation: Generation },
     /// A handoff message arrived and was not applied.
     MessageRejected {
         handoff: HandoffId,
@@ -332,34 +258,15 @@ pub enum Fact {
 
     // ----- router bookings (router stream) -----
     /// The prefill router selected a worker and booked the prefill's compute and blocks.
-    PrefillBooked {
-        request: RequestId,
-        worker: WorkerId,
-        prefill_tokens: u32,
-        blocks: u32,
-    },
+    PrefillBooked { request: RequestId, worker: WorkerId, prefill_tokens: u32, blocks: u32 },
     /// Prefill compute finished: compute load drops, the booking stays until source release.
-    PrefillComputeDone {
-        request: RequestId,
-        worker: WorkerId,
-    },
+    PrefillComputeDone { request: RequestId, worker: WorkerId },
     /// The prefill booking ended (source released, or the request ended).
-    PrefillBookingFreed {
-        request: RequestId,
-        worker: WorkerId,
-    },
+    PrefillBookingFreed { request: RequestId, worker: WorkerId },
     /// The decode router selected a worker and booked the request's estimated blocks.
-    DecodeBooked {
-        request: RequestId,
-        worker: WorkerId,
-        blocks: u32,
-    },
+    DecodeBooked { request: RequestId, worker: WorkerId, blocks: u32 },
     /// The decode booking ended at the request's terminal outcome.
-    DecodeBookingFreed {
-        request: RequestId,
-        worker: WorkerId,
-        status: TerminalStatus,
-    },
+    DecodeBookingFreed { request: RequestId, worker: WorkerId, status: TerminalStatus },
 }
 
 impl Fact {

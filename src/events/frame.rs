@@ -115,17 +115,10 @@ pub(crate) fn write_header_block(
 ) -> Result<(), LogError> {
     let start = out.len();
     out.extend_from_slice(&[0u8; 8]);
-    codec::encode_into(header, out).map_err(|reason| LogError::Encode {
-        path: path.into(),
-        reason,
-    })?;
+    codec::encode_into(header, out).map_err(|reason| LogError::Encode { path: path.into(), reason })?;
     let len = out.len() - start - 8;
     if len > MAX_HEADER_BYTES {
-        return Err(LogError::RecordTooLarge {
-            path: path.into(),
-            bytes: len,
-            max: MAX_HEADER_BYTES,
-        });
+        return Err(LogError::RecordTooLarge { path: path.into(), bytes: len, max: MAX_HEADER_BYTES });
     }
     let crc = crc32fast::hash(&out[start + 8..]);
     out[start..start + 4].copy_from_slice(&(len as u32).to_le_bytes());
@@ -139,31 +132,21 @@ pub(crate) fn read_header_block<R: Read>(
     path: &Path,
     offset: u64,
 ) -> Result<(StreamHeader, u64), LogError> {
-    let corrupt = |reason: String| LogError::CorruptHeader {
-        path: path.into(),
-        offset,
-        reason,
-    };
+    let corrupt = |reason: String| LogError::CorruptHeader { path: path.into(), offset, reason };
     let mut pre = [0u8; 8];
     let n = read_full(r, &mut pre).map_err(|e| LogError::io(path, e))?;
     if n < 8 {
-        return Err(corrupt(format!(
-            "file ends inside the header's length and checksum ({n} of 8 bytes)"
-        )));
+        return Err(corrupt(format!("file ends inside the header's length and checksum ({n} of 8 bytes)")));
     }
     let len = u32::from_le_bytes([pre[0], pre[1], pre[2], pre[3]]) as usize;
     let crc = u32::from_le_bytes([pre[4], pre[5], pre[6], pre[7]]);
     if len > MAX_HEADER_BYTES {
-        return Err(corrupt(format!(
-            "impossible header length {len} (maximum {MAX_HEADER_BYTES})"
-        )));
+        return Err(corrupt(format!("impossible header length {len} (maximum {MAX_HEADER_BYTES})")));
     }
     let mut bytes = vec![0u8; len];
     let got = read_full(r, &mut bytes).map_err(|e| LogError::io(path, e))?;
     if got < len {
-        return Err(corrupt(format!(
-            "file ends inside the header ({got} of {len} bytes)"
-        )));
+        return Err(corrupt(format!("file ends inside the header ({got} of {len} bytes)")));
     }
     let actual = crc32fast::hash(&bytes);
     if actual != crc {
@@ -191,14 +174,7 @@ pub(crate) struct FrameReader<R> {
 
 impl<R: Read> FrameReader<R> {
     pub(crate) fn new(inner: R, path: PathBuf, offset: u64) -> Self {
-        FrameReader {
-            inner,
-            path,
-            offset,
-            body: Vec::new(),
-            torn: None,
-            ended: false,
-        }
+        FrameReader { inner, path, offset, body: Vec::new(), torn: None, ended: false }
     }
 
     pub(crate) fn path(&self) -> &Path {
@@ -219,11 +195,7 @@ impl<R: Read> FrameReader<R> {
     }
 
     pub(crate) fn corrupt(&self, offset: u64, reason: String) -> LogError {
-        LogError::Corrupt {
-            path: self.path.clone(),
-            offset,
-            reason,
-        }
+        LogError::Corrupt { path: self.path.clone(), offset, reason }
     }
 
     /// Reads the next frame whose body must be at least `min_body` bytes. Returns the frame's
@@ -247,10 +219,7 @@ impl<R: Read> FrameReader<R> {
             return Ok(None);
         }
         if n < FRAME_PREFIX_BYTES {
-            self.torn = Some(TornTail {
-                offset: start,
-                bytes: n as u64,
-            });
+            self.torn = Some(TornTail { offset: start, bytes: n as u64 });
             return Ok(None);
         }
         let len = u32::from_le_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]) as usize;
@@ -266,8 +235,7 @@ impl<R: Read> FrameReader<R> {
         }
         self.body.clear();
         self.body.resize(len, 0);
-        let got =
-            read_full(&mut self.inner, &mut self.body).map_err(|e| LogError::io(&self.path, e))?;
+        let got = read_full(&mut self.inner, &mut self.body).map_err(|e| LogError::io(&self.path, e))?;
         if got < len {
             // Cut short by the end of the file. That is a torn tail, unless the bytes present
             // already hold a complete record under the stored checksum: then the record was
@@ -282,18 +250,13 @@ impl<R: Read> FrameReader<R> {
                     ),
                 ));
             }
-            self.torn = Some(TornTail {
-                offset: start,
-                bytes: (FRAME_PREFIX_BYTES + got) as u64,
-            });
+            self.torn = Some(TornTail { offset: start, bytes: (FRAME_PREFIX_BYTES + got) as u64 });
             return Ok(None);
         }
         let actual = crc32fast::hash(&self.body);
         if actual != crc {
-            return Err(self.corrupt(
-                start,
-                format!("checksum mismatch: stored {crc:#010x}, computed {actual:#010x}"),
-            ));
+            return Err(self
+                .corrupt(start, format!("checksum mismatch: stored {crc:#010x}, computed {actual:#010x}")));
         }
         self.offset = start + (FRAME_PREFIX_BYTES + len) as u64;
         Ok(Some(start))

@@ -65,10 +65,7 @@ pub enum IndexError {
 }
 
 fn db_err(path: &Path, e: impl std::fmt::Display) -> IndexError {
-    IndexError::Db {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    }
+    IndexError::Db { path: path.to_path_buf(), reason: e.to_string() }
 }
 
 /// How a segment's records are framed.
@@ -127,12 +124,7 @@ impl RunLayout {
                 }
             }
         }
-        Ok(RunLayout {
-            run: run.to_path_buf(),
-            kind,
-            headers,
-            segments,
-        })
+        Ok(RunLayout { run: run.to_path_buf(), kind, headers, segments })
     }
 
     pub fn workers(&self) -> Vec<WorkerId> {
@@ -184,14 +176,9 @@ impl SegmentReader {
     pub fn open_at(seg: &Segment, offset: u64, next_seq: Vec<u64>) -> Result<Self, LogError> {
         let path = &seg.path;
         let mut f = File::open(path).map_err(|e| LogError::io(path, e))?;
-        f.seek(SeekFrom::Start(offset))
-            .map_err(|e| LogError::io(path, e))?;
+        f.seek(SeekFrom::Start(offset)).map_err(|e| LogError::io(path, e))?;
         Ok(SegmentReader {
-            frames: FrameReader::new(
-                BufReader::with_capacity(FILE_BUFFER_BYTES, f),
-                path.clone(),
-                offset,
-            ),
+            frames: FrameReader::new(BufReader::with_capacity(FILE_BUFFER_BYTES, f), path.clone(), offset),
             kind: seg.kind,
             stream: seg.streams.first().copied().unwrap_or(0),
             next_seq,
@@ -235,9 +222,7 @@ impl SegmentReader {
         let seq = u64::from_le_bytes(fixed8(&rest[0..8]));
         let at_ns = u64::from_le_bytes(fixed8(&rest[8..16]));
         let Some(expected) = self.next_seq.get_mut(stream) else {
-            let e = self
-                .frames
-                .corrupt(offset, format!("stream index {stream} out of range"));
+            let e = self.frames.corrupt(offset, format!("stream index {stream} out of range"));
             self.frames.stop();
             return Err(e);
         };
@@ -258,9 +243,7 @@ impl SegmentReader {
         let fact: Fact = match codec::decode_exact(&rest[16..]) {
             Ok(f) => f,
             Err(e) => {
-                let e = self
-                    .frames
-                    .corrupt(offset, format!("undecodable fact: {e}"));
+                let e = self.frames.corrupt(offset, format!("undecodable fact: {e}"));
                 self.frames.stop();
                 return Err(e);
             }
@@ -294,8 +277,7 @@ pub fn read_record_at(
     offset: u64,
 ) -> Result<(Option<usize>, Record), LogError> {
     let mut f = File::open(path).map_err(|e| LogError::io(path, e))?;
-    f.seek(SeekFrom::Start(offset))
-        .map_err(|e| LogError::io(path, e))?;
+    f.seek(SeekFrom::Start(offset)).map_err(|e| LogError::io(path, e))?;
     let fixed = match kind {
         SegmentKind::Stream => STREAM_RECORD_FIXED_BYTES,
         SegmentKind::Merged => MERGED_RECORD_FIXED_BYTES,
@@ -311,10 +293,7 @@ pub fn read_record_at(
     let body = &frames.body;
     let (stream, rest) = match kind {
         SegmentKind::Stream => (None, &body[..]),
-        SegmentKind::Merged => (
-            Some(u16::from_le_bytes([body[0], body[1]]) as usize),
-            &body[2..],
-        ),
+        SegmentKind::Merged => (Some(u16::from_le_bytes([body[0], body[1]]) as usize), &body[2..]),
     };
     let seq = u64::from_le_bytes(fixed8(&rest[0..8]));
     let at_ns = u64::from_le_bytes(fixed8(&rest[8..16]));
@@ -336,8 +315,7 @@ pub fn records_around(
 ) -> Result<Vec<(u64, Record)>, LogError> {
     let path = &seg.path;
     let mut f = File::open(path).map_err(|e| LogError::io(path, e))?;
-    f.seek(SeekFrom::Start(start))
-        .map_err(|e| LogError::io(path, e))?;
+    f.seek(SeekFrom::Start(start)).map_err(|e| LogError::io(path, e))?;
     let fixed = match seg.kind {
         SegmentKind::Stream => STREAM_RECORD_FIXED_BYTES,
         SegmentKind::Merged => MERGED_RECORD_FIXED_BYTES,
@@ -409,13 +387,7 @@ impl FileFingerprint {
             f.read_exact(&mut buf).map_err(io)?;
             h.update(&buf);
         }
-        Ok(FileFingerprint {
-            path: path.to_path_buf(),
-            len,
-            mtime_ns,
-            last_record_offset,
-            crc: h.finalize(),
-        })
+        Ok(FileFingerprint { path: path.to_path_buf(), len, mtime_ns, last_record_offset, crc: h.finalize() })
     }
 }
 
@@ -642,10 +614,7 @@ impl RunIndex {
     /// [`RunIndex::build`] with checkpoints every `checkpoint_every` records of a file (tests
     /// use small values to exercise checkpoints on small runs). An index keeps its interval
     /// when reopened.
-    pub fn build_every(
-        run: impl AsRef<Path>,
-        checkpoint_every: u64,
-    ) -> Result<RunIndex, IndexError> {
+    pub fn build_every(run: impl AsRef<Path>, checkpoint_every: u64) -> Result<RunIndex, IndexError> {
         let layout = RunLayout::open(run.as_ref())?;
         Self::build_layout(&layout, checkpoint_every.max(1), &mut |_| {})
     }
@@ -658,9 +627,7 @@ impl RunIndex {
         let db = match opened {
             Ok(Ok(db)) => db,
             Ok(Err(e)) if e.to_string().contains("could not acquire lock") => {
-                return Err(IndexError::Busy {
-                    path: path.to_path_buf(),
-                })
+                return Err(IndexError::Busy { path: path.to_path_buf() })
             }
             Ok(Err(e)) => return Ok(Err(format!("cannot open: {e}"))),
             Err(_) => return Ok(Err("cannot open: the database is damaged".into())),
@@ -678,21 +645,14 @@ impl RunIndex {
             Err(e) => return Ok(Err(format!("cannot read layout: {e}"))),
         };
         if meta.format != INDEX_FORMAT {
-            return Ok(Err(format!(
-                "index format {} (this build writes {INDEX_FORMAT})",
-                meta.format
-            )));
+            return Ok(Err(format!("index format {} (this build writes {INDEX_FORMAT})", meta.format)));
         }
         if meta.workers != layout.workers() || meta.segments != layout.segments {
             return Ok(Err("the run's streams changed".into()));
         }
         for fp in &meta.fingerprints {
-            let seg_start = meta
-                .segments
-                .iter()
-                .find(|s| s.path == fp.path)
-                .map(|s| s.data_start)
-                .unwrap_or(0);
+            let seg_start =
+                meta.segments.iter().find(|s| s.path == fp.path).map(|s| s.data_start).unwrap_or(0);
             let now = match FileFingerprint::take(&fp.path, seg_start, fp.last_record_offset) {
                 Ok(now) => now,
                 Err(e) => return Ok(Err(format!("cannot fingerprint: {e}"))),
@@ -723,10 +683,7 @@ impl RunIndex {
                 .or_else(|_| fs::remove_file(&path))
                 .map_err(|e| LogError::io(&path, e))?;
         }
-        let db = sled::Config::new()
-            .path(&path)
-            .open()
-            .map_err(|e| db_err(&path, e))?;
+        let db = sled::Config::new().path(&path).open().map_err(|e| db_err(&path, e))?;
         let n = layout.headers.len();
         let mut monotone = vec![true; n];
         let mut last_at = vec![0u64; n];
@@ -740,11 +697,8 @@ impl RunIndex {
         let mut flush_no = 0u32;
         for (si, seg) in layout.segments.iter().enumerate() {
             let seg16 = si as u16;
-            let mut states: Vec<StreamFold> = seg
-                .streams
-                .iter()
-                .map(|&s| StreamFold::new(&layout.headers[s]))
-                .collect();
+            let mut states: Vec<StreamFold> =
+                seg.streams.iter().map(|&s| StreamFold::new(&layout.headers[s])).collect();
             // Position of each run stream in `states`.
             let mut slot = vec![usize::MAX; n];
             for (k, &s) in seg.streams.iter().enumerate() {
@@ -768,17 +722,11 @@ impl RunIndex {
                     st.apply(&rec);
                 }
                 if let Some(h) = rec.fact.handoff() {
-                    pending
-                        .entry(handoff_pid(h))
-                        .or_default()
-                        .push(seg16, offset);
+                    pending.entry(handoff_pid(h)).or_default().push(seg16, offset);
                     pending_n += 1;
                 }
                 if let Some(r) = rec.fact.request() {
-                    pending
-                        .entry(request_pid(r))
-                        .or_default()
-                        .push(seg16, offset);
+                    pending.entry(request_pid(r)).or_default().push(seg16, offset);
                     pending_n += 1;
                 }
                 if rec.seq % TIME_MARK_EVERY == 0 {
@@ -802,27 +750,20 @@ impl RunIndex {
                         states: states.clone(),
                     };
                     let mut blob = Vec::new();
-                    codec::encode_into(&cp, &mut blob).map_err(|reason| LogError::Encode {
-                        path: path.clone(),
-                        reason,
-                    })?;
+                    codec::encode_into(&cp, &mut blob)
+                        .map_err(|reason| LogError::Encode { path: path.clone(), reason })?;
                     batch.insert(checkpoint_key(seg16, max_at, ordinal), blob);
                     ordinal += 1;
                     progress(records);
                 }
                 if pending_n >= FLUSH_POSTINGS {
                     flush_postings(&db, &path, &mut pending, &mut flush_no)?;
-                    db.apply_batch(std::mem::take(&mut batch))
-                        .map_err(|e| db_err(&path, e))?;
+                    db.apply_batch(std::mem::take(&mut batch)).map_err(|e| db_err(&path, e))?;
                     pending_n = 0;
                 }
             }
             checkpoints.push(ordinal);
-            fingerprints.push(FileFingerprint::take(
-                &seg.path,
-                seg.data_start,
-                last_offset,
-            )?);
+            fingerprints.push(FileFingerprint::take(&seg.path, seg.data_start, last_offset)?);
         }
         flush_postings(&db, &path, &mut pending, &mut flush_no)?;
         db.apply_batch(batch).map_err(|e| db_err(&path, e))?;
@@ -840,8 +781,7 @@ impl RunIndex {
         db.insert(KEY_META, json).map_err(|e| db_err(&path, e))?;
         db.flush().map_err(|e| db_err(&path, e))?;
         // Written last: an index without it is an interrupted build.
-        db.insert(KEY_COMPLETE, &b"1"[..])
-            .map_err(|e| db_err(&path, e))?;
+        db.insert(KEY_COMPLETE, &b"1"[..]).map_err(|e| db_err(&path, e))?;
         db.flush().map_err(|e| db_err(&path, e))?;
         progress(records);
         Ok(RunIndex { db, path, meta })
@@ -902,11 +842,7 @@ impl RunIndex {
     }
 
     /// The latest checkpoint of `segment` whose records all happened at or before `t_ns`.
-    pub fn checkpoint_before(
-        &self,
-        segment: usize,
-        t_ns: u64,
-    ) -> Result<Option<Checkpoint>, IndexError> {
+    pub fn checkpoint_before(&self, segment: usize, t_ns: u64) -> Result<Option<Checkpoint>, IndexError> {
         let seg16 = segment as u16;
         let lo = checkpoint_key(seg16, 0, 0);
         let hi = checkpoint_key(seg16, t_ns, u64::MAX);

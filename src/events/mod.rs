@@ -8,8 +8,22 @@
 //! record  := len(u32 LE, bytes after the crc) crc(u32 LE, crc32 of the bytes after it)
 //!            seq(u64 LE) at_ns(u64 LE) fact(codec)
 //! ```
-//! A record's `seq` starts at 0 and rises by one per record in its stream. Only a torn tail of
-//! the last record may be cut on open; any other damage is an error naming the byte offset.
+//! A record's `seq` starts at 0 and rises by one per record in its stream. `len` counts
+//! `seq`, `at_ns` and the fact, so it is at least 16 and at most [`MAX_RECORD_BYTES`] (16 MiB);
+//! a header's length is at most [`MAX_HEADER_BYTES`]. The record checksum does not cover `len`
+//! itself: a damaged `len` shows as a checksum mismatch over the wrong byte range.
+//!
+//! **Torn tail.** Only a record cut off by the end of the file (fewer than 8 bytes for
+//! `len`/`crc`, or fewer than `len` bytes after them) is a torn tail: readers stop there
+//! cleanly and report it, and [`recover`] / [`StreamWriter::open_append`] truncate it. One
+//! exception keeps recovery from destroying data: if the bytes that are present already hold a
+//! record matching the stored checksum, the record was written whole and its `len` is damaged,
+//! which is an error. Any other damage (checksum mismatch, undecodable fact, a `seq` that is
+//! not the previous plus one, an impossible `len`) is an error naming the file and the byte
+//! offset of the record's `len` field. A damaged or truncated header is always an error.
+//!
+//! Runs (a directory of `{worker}.hlog` streams, or one merged `HOFFRUN` file) are described in
+//! [`run`].
 
 pub mod codec;
 pub mod error;
@@ -21,9 +35,7 @@ pub mod run;
 pub mod writer;
 
 pub use error::LogError;
-pub use fact::{
-    BlockHash, Fact, KvDelta, MessageKind, MessageRejection, RejectReason, TerminalStatus,
-};
+pub use fact::{BlockHash, Fact, KvDelta, MessageKind, MessageRejection, RejectReason, TerminalStatus};
 pub use frame::{TornTail, MAX_HEADER_BYTES, MAX_RECORD_BYTES};
 pub use reader::{recover, verify_stream, StreamReader, StreamSummary};
 pub use run::{
@@ -57,12 +69,7 @@ pub struct EngineShape {
 impl EngineShape {
     /// The router stream has no engine.
     pub fn none() -> Self {
-        EngineShape {
-            total_blocks: 0,
-            block_size: 0,
-            max_request_slots: 0,
-            config_json: String::new(),
-        }
+        EngineShape { total_blocks: 0, block_size: 0, max_request_slots: 0, config_json: String::new() }
     }
 }
 

@@ -39,8 +39,7 @@ impl<R: Read> StreamReader<R> {
     pub fn new(mut inner: R, name: impl Into<PathBuf>) -> Result<Self, LogError> {
         let path = name.into();
         frame::read_prelude(&mut inner, &path, &MAGIC, FORMAT_VERSION)?;
-        let (header, used) =
-            frame::read_header_block(&mut inner, &path, frame::PRELUDE_BYTES as u64)?;
+        let (header, used) = frame::read_header_block(&mut inner, &path, frame::PRELUDE_BYTES as u64)?;
         let data_start = frame::PRELUDE_BYTES as u64 + used;
         Ok(StreamReader {
             frames: FrameReader::new(inner, path, data_start),
@@ -84,10 +83,8 @@ impl<R: Read> StreamReader<R> {
                 found: seq,
             });
         }
-        let fact: Fact = codec::decode_exact(&body[STREAM_RECORD_FIXED_BYTES..]).map_err(|e| {
-            self.frames
-                .corrupt(offset, format!("undecodable fact: {e}"))
-        })?;
+        let fact: Fact = codec::decode_exact(&body[STREAM_RECORD_FIXED_BYTES..])
+            .map_err(|e| self.frames.corrupt(offset, format!("undecodable fact: {e}")))?;
         self.next_seq += 1;
         self.last_record_offset = Some(offset);
         Ok(Some(Record { seq, at_ns, fact }))

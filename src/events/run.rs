@@ -36,7 +36,7 @@ use super::codec;
 use super::error::LogError;
 use super::frame::{self, FrameReader, TornTail, FRAME_PREFIX_BYTES, MAX_RECORD_BYTES};
 use super::reader::{fixed8, truncate, StreamReader};
-use super::writer::{StreamWriter, FILE_BUFFER_BYTES, STREAM_RECORD_FIXED_BYTES};
+use super::writer::{StreamWriter, FILE_BUFFER_BYTES, RUN_STREAM_BUFFER_BYTES, STREAM_RECORD_FIXED_BYTES};
 use super::{Fact, Record, StreamHeader, MAGIC};
 use crate::ids::{HandoffId, WorkerId};
 use std::cmp::{Ordering, Reverse};
@@ -164,11 +164,7 @@ impl RunReader {
         Ok(Self::from_streams(path, RunKind::Stream, vec![reader]))
     }
 
-    fn from_streams(
-        path: &Path,
-        kind: RunKind,
-        readers: Vec<StreamReader<BufReader<File>>>,
-    ) -> Self {
+    fn from_streams(path: &Path, kind: RunKind, readers: Vec<StreamReader<BufReader<File>>>) -> Self {
         let headers = readers.iter().map(|r| r.header().clone()).collect();
         let stream_paths = readers.iter().map(|r| r.path().to_path_buf()).collect();
         let refill = (0..readers.len()).collect();
@@ -177,11 +173,7 @@ impl RunReader {
             kind,
             headers,
             stream_paths,
-            source: Source::Streams {
-                readers,
-                heap: BinaryHeap::new(),
-                refill,
-            },
+            source: Source::Streams { readers, heap: BinaryHeap::new(), refill },
             last_record_offset: None,
             done: false,
         }
@@ -195,13 +187,9 @@ impl RunReader {
             if p.extension().and_then(|e| e.to_str()) != Some(STREAM_EXTENSION) {
                 continue;
             }
-            let Some(stem) = p.file_stem().and_then(|s| s.to_str()) else {
-                continue;
-            };
+            let Some(stem) = p.file_stem().and_then(|s| s.to_str()) else { continue };
             // Only the canonical spelling names a stream (`agg-1.0.hlog` is not `agg-1`'s).
-            let Ok(worker) = stem.parse::<WorkerId>() else {
-                continue;
-            };
+            let Ok(worker) = stem.parse::<WorkerId>() else { continue };
             if worker.to_string() != stem || !p.is_file() {
                 continue;
             }
@@ -213,14 +201,11 @@ impl RunReader {
         found.sort();
         let mut readers = Vec::with_capacity(found.len());
         for (named, p) in found {
-            let r = StreamReader::open(&p)?;
+            let file = File::open(&p).map_err(|e| LogError::io(&p, e))?;
+            let r = StreamReader::new(BufReader::with_capacity(RUN_STREAM_BUFFER_BYTES, file), &p)?;
             let h = r.header();
             if h.worker != named {
-                return Err(LogError::WorkerMismatch {
-                    path: p,
-                    named,
-                    found: h.worker,
-                });
+                return Err(LogError::WorkerMismatch { path: p, named, found: h.worker });
             }
             if let Some(first) = readers.first().map(|f: &StreamReader<_>| f.header().run_id) {
                 if h.run_id != first {
@@ -330,25 +315,15 @@ impl RunReader {
 
     fn read_next(&mut self) -> Result<Option<(usize, Record)>, LogError> {
         match &mut self.source {
-            Source::Streams {
-                readers,
-                heap,
-                refill,
-            } => {
+            Source::Streams { readers, heap, refill } => {
                 for i in std::mem::take(refill) {
                     let r = &mut readers[i];
                     if let Some(record) = r.next_record()? {
                         let offset = r.last_record_offset().unwrap_or_default();
-                        heap.push(Head {
-                            stream: i,
-                            offset,
-                            record,
-                        });
+                        heap.push(Head { stream: i, offset, record });
                     }
                 }
-                let Some(head) = heap.pop() else {
-                    return Ok(None);
-                };
+                let Some(head) = heap.pop() else { return Ok(None) };
                 refill.push(head.stream);
                 self.last_record_offset = Some(head.offset);
                 Ok(Some((head.stream, head.record)))
@@ -396,15 +371,12 @@ impl RunReader {
     /// Torn tails found so far, with the file each is in (complete once `next` returned `None`).
     pub fn torn_tails(&self) -> Vec<(PathBuf, TornTail)> {
         match &self.source {
-            Source::Streams { readers, .. } => readers
-                .iter()
-                .filter_map(|r| r.torn_tail().map(|t| (r.path().to_path_buf(), t)))
-                .collect(),
-            Source::Merged { frames, .. } => frames
-                .torn_tail()
-                .map(|t| (self.path.clone(), t))
-                .into_iter()
-                .collect(),
+            Source::Streams { readers, .. } => {
+                readers.iter().filter_map(|r| r.torn_tail().map(|t| (r.path().to_path_buf(), t))).collect()
+            }
+            Source::Merged { frames, .. } => {
+                frames.torn_tail().map(|t| (self.path.clone(), t)).into_iter().collect()
+            }
         }
     }
 
@@ -443,12 +415,7 @@ pub fn verify_run(path: impl AsRef<Path>) -> Result<RunSummary, LogError> {
     let mut streams: Vec<RunStreamSummary> = run
         .headers()
         .iter()
-        .map(|h| RunStreamSummary {
-            header: h.clone(),
-            records: 0,
-            first_at_ns: None,
-            last_at_ns: None,
-        })
+        .map(|h| RunStreamSummary { header: h.clone(), records: 0, first_at_ns: None, last_at_ns: None })
         .collect();
     let mut handoffs = BTreeSet::<HandoffId>::new();
     let mut records = 0;
@@ -496,11 +463,33 @@ pub struct MergeSummary {
 }
 
 /// Writes the run at `run_path` (any layout) as one merged file at `out_path`, in merge order.
+///
+/// The file is written under a temporary name beside `out_path` and renamed into place only
+/// when complete, so a failed merge never leaves a cut-short file that would read as a run with
+/// a torn tail (silently missing records).
 pub fn write_merged(
     run_path: impl AsRef<Path>,
     out_path: impl AsRef<Path>,
 ) -> Result<MergeSummary, LogError> {
     let out_path = out_path.as_ref();
+    let mut tmp_name = out_path.as_os_str().to_owned();
+    tmp_name.push(".partial");
+    let tmp_path = PathBuf::from(tmp_name);
+    let result = write_merged_to(run_path.as_ref(), &tmp_path, out_path);
+    match result {
+        Ok(summary) => {
+            fs::rename(&tmp_path, out_path).map_err(|e| LogError::io(out_path, e))?;
+            Ok(summary)
+        }
+        Err(e) => {
+            // Best effort: the error being reported matters more than a leftover temp file.
+            let _ = fs::remove_file(&tmp_path);
+            Err(e)
+        }
+    }
+}
+
+fn write_merged_to(run_path: &Path, tmp_path: &Path, out_path: &Path) -> Result<MergeSummary, LogError> {
     let mut run = RunReader::open(run_path)?;
     if run.headers().len() > u16::MAX as usize {
         return Err(LogError::TooManyStreams {
@@ -509,8 +498,8 @@ pub fn write_merged(
             max: u16::MAX as usize,
         });
     }
-    let io = |e| LogError::io(out_path, e);
-    let file = File::create(out_path).map_err(io)?;
+    let io = |e| LogError::io(tmp_path, e);
+    let file = File::create(tmp_path).map_err(io)?;
     let mut out = BufWriter::with_capacity(FILE_BUFFER_BYTES, file);
     let mut scratch = Vec::with_capacity(1024);
     frame::write_prelude(&mut scratch, &RUN_MAGIC, RUN_FORMAT_VERSION);
@@ -527,10 +516,8 @@ pub fn write_merged(
         scratch.extend_from_slice(&(stream as u16).to_le_bytes());
         scratch.extend_from_slice(&rec.seq.to_le_bytes());
         scratch.extend_from_slice(&rec.at_ns.to_le_bytes());
-        codec::encode_into(&rec.fact, &mut scratch).map_err(|reason| LogError::Encode {
-            path: out_path.into(),
-            reason,
-        })?;
+        codec::encode_into(&rec.fact, &mut scratch)
+            .map_err(|reason| LogError::Encode { path: out_path.into(), reason })?;
         let len = scratch.len() - FRAME_PREFIX_BYTES;
         if len > MAX_RECORD_BYTES {
             return Err(LogError::RecordTooLarge {
@@ -548,12 +535,7 @@ pub fn write_merged(
     }
     let file = out.into_inner().map_err(|e| io(e.into_error()))?;
     file.sync_all().map_err(io)?;
-    Ok(MergeSummary {
-        streams: run.headers().len(),
-        records,
-        bytes,
-        torn_tails: run.torn_tails(),
-    })
+    Ok(MergeSummary { streams: run.headers().len(), records, bytes, torn_tails: run.torn_tails() })
 }
 
 /// Writes a run directory: one [`StreamWriter`] per worker, each created on first use from the
@@ -566,65 +548,51 @@ pub struct RunWriter {
 
 impl RunWriter {
     /// Prepares a run in `dir` (created if missing) for the workers of `headers`, which must
-    /// share one run id and name distinct workers. Refuses a directory that already holds
-    /// `.hlog` streams, so two runs are never mixed.
+    /// share one run id and name distinct workers (more can be declared later). Refuses a
+    /// directory that already holds `.hlog` streams, so two runs are never mixed.
     pub fn create(
         dir: impl AsRef<Path>,
         headers: impl IntoIterator<Item = StreamHeader>,
     ) -> Result<Self, LogError> {
         let dir = dir.as_ref();
-        let mut map: BTreeMap<WorkerId, StreamHeader> = BTreeMap::new();
-        let mut run_id = None;
-        for h in headers {
-            let path = dir.join(stream_file_name(h.worker));
-            // The file name must read back as the same worker (the router has one spelling).
-            let named = h
-                .worker
-                .to_string()
-                .parse::<WorkerId>()
-                .unwrap_or(WorkerId::ROUTER);
-            if named != h.worker {
-                return Err(LogError::WorkerMismatch {
-                    path,
-                    named,
-                    found: h.worker,
-                });
-            }
-            let expected = *run_id.get_or_insert(h.run_id);
-            if h.run_id != expected {
-                return Err(LogError::RunIdMismatch {
-                    path,
-                    worker: h.worker,
-                    expected,
-                    found: h.run_id,
-                });
-            }
-            if map.contains_key(&h.worker) {
-                return Err(LogError::DuplicateWorker {
-                    path,
-                    worker: h.worker,
-                });
-            }
-            map.insert(h.worker, h);
-        }
-        if map.is_empty() {
-            return Err(LogError::EmptyRun { path: dir.into() });
-        }
         fs::create_dir_all(dir).map_err(|e| LogError::io(dir, e))?;
         for entry in fs::read_dir(dir).map_err(|e| LogError::io(dir, e))? {
             let p = entry.map_err(|e| LogError::io(dir, e))?.path();
             if p.extension().and_then(|e| e.to_str()) == Some(STREAM_EXTENSION) {
-                return Err(LogError::RunExists {
-                    path: dir.into(),
-                    existing: p.display().to_string(),
+                return Err(LogError::RunExists { path: dir.into(), existing: p.display().to_string() });
+            }
+        }
+        let mut run =
+            RunWriter { dir: dir.to_path_buf(), headers: BTreeMap::new(), streams: BTreeMap::new() };
+        for h in headers {
+            run.declare(h)?;
+        }
+        Ok(run)
+    }
+
+    /// Adds a worker to the run; its file is created on first use (or at `finish`).
+    pub fn declare(&mut self, header: StreamHeader) -> Result<(), LogError> {
+        let path = self.dir.join(stream_file_name(header.worker));
+        // The file name must read back as the same worker (the router has one spelling).
+        let named = header.worker.to_string().parse::<WorkerId>().unwrap_or(WorkerId::ROUTER);
+        if named != header.worker {
+            return Err(LogError::WorkerMismatch { path, named, found: header.worker });
+        }
+        if let Some(first) = self.headers.values().next() {
+            if header.run_id != first.run_id {
+                return Err(LogError::RunIdMismatch {
+                    path,
+                    worker: header.worker,
+                    expected: first.run_id,
+                    found: header.run_id,
                 });
             }
         }
-        Ok(RunWriter {
-            dir: dir.to_path_buf(),
-            headers: map,
-            streams: BTreeMap::new(),
-        })
+        if self.headers.contains_key(&header.worker) {
+            return Err(LogError::DuplicateWorker { path, worker: header.worker });
+        }
+        self.headers.insert(header.worker, header);
+        Ok(())
     }
 
     pub fn dir(&self) -> &Path {
@@ -637,21 +605,19 @@ impl RunWriter {
     }
 
     /// `worker`'s stream, creating its file on first use.
-    pub fn stream(
-        &mut self,
-        worker: WorkerId,
-    ) -> Result<&mut StreamWriter<BufWriter<File>>, LogError> {
+    pub fn stream(&mut self, worker: WorkerId) -> Result<&mut StreamWriter<BufWriter<File>>, LogError> {
         use std::collections::btree_map::Entry;
         match self.streams.entry(worker) {
             Entry::Occupied(e) => Ok(e.into_mut()),
             Entry::Vacant(e) => {
                 let Some(header) = self.headers.get(&worker) else {
-                    return Err(LogError::UnknownWorker {
-                        path: self.dir.clone(),
-                        worker,
-                    });
+                    return Err(LogError::UnknownWorker { path: self.dir.clone(), worker });
                 };
-                let w = StreamWriter::create(self.dir.join(stream_file_name(worker)), header)?;
+                let w = StreamWriter::create_with_buffer(
+                    &self.dir.join(stream_file_name(worker)),
+                    header,
+                    RUN_STREAM_BUFFER_BYTES,
+                )?;
                 Ok(e.insert(w))
             }
         }

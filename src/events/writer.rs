@@ -19,6 +19,9 @@ use std::path::{Path, PathBuf};
 /// thousands of small records.
 pub(crate) const FILE_BUFFER_BYTES: usize = 1 << 20;
 
+/// Per-stream buffer when a run holds many streams open at once (memory = streams x this).
+pub(crate) const RUN_STREAM_BUFFER_BYTES: usize = 128 << 10;
+
 /// Bytes of a stream record body before the fact: seq(u64) + at_ns(u64).
 pub(crate) const STREAM_RECORD_FIXED_BYTES: usize = 16;
 
@@ -42,11 +45,7 @@ impl<W: Write> StreamWriter<W> {
     }
 
     /// Like [`StreamWriter::new`], naming the stream in errors.
-    pub fn new_named(
-        inner: W,
-        header: &StreamHeader,
-        name: impl Into<PathBuf>,
-    ) -> Result<Self, LogError> {
+    pub fn new_named(inner: W, header: &StreamHeader, name: impl Into<PathBuf>) -> Result<Self, LogError> {
         let name = name.into();
         let mut scratch = Vec::with_capacity(256);
         frame::write_prelude(&mut scratch, &MAGIC, FORMAT_VERSION);
@@ -67,9 +66,7 @@ impl<W: Write> StreamWriter<W> {
     /// Appends one record and returns its sequence number.
     pub fn append(&mut self, at_ns: u64, fact: &Fact) -> Result<u64, LogError> {
         if self.poisoned {
-            return Err(LogError::WriterPoisoned {
-                path: self.name.clone(),
-            });
+            return Err(LogError::WriterPoisoned { path: self.name.clone() });
         }
         let seq = self.next_seq;
         let s = &mut self.scratch;
@@ -77,10 +74,7 @@ impl<W: Write> StreamWriter<W> {
         s.extend_from_slice(&[0u8; FRAME_PREFIX_BYTES]);
         s.extend_from_slice(&seq.to_le_bytes());
         s.extend_from_slice(&at_ns.to_le_bytes());
-        codec::encode_into(fact, s).map_err(|reason| LogError::Encode {
-            path: self.name.clone(),
-            reason,
-        })?;
+        codec::encode_into(fact, s).map_err(|reason| LogError::Encode { path: self.name.clone(), reason })?;
         let len = s.len() - FRAME_PREFIX_BYTES;
         if len > MAX_RECORD_BYTES {
             return Err(LogError::RecordTooLarge {
@@ -110,9 +104,7 @@ impl<W: Write> StreamWriter<W> {
     /// Pushes buffered bytes to the inner writer (for a file: to the OS, not to the disk).
     pub fn flush(&mut self) -> Result<(), LogError> {
         if self.poisoned {
-            return Err(LogError::WriterPoisoned {
-                path: self.name.clone(),
-            });
+            return Err(LogError::WriterPoisoned { path: self.name.clone() });
         }
         self.inner.flush().map_err(|e| {
             self.poisoned = true;
@@ -155,13 +147,18 @@ impl<W: Write> StreamWriter<W> {
 impl StreamWriter<BufWriter<File>> {
     /// Creates (or truncates) the file at `path` and writes the header.
     pub fn create(path: impl AsRef<Path>, header: &StreamHeader) -> Result<Self, LogError> {
-        let path = path.as_ref();
+        Self::create_with_buffer(path.as_ref(), header, FILE_BUFFER_BYTES)
+    }
+
+    /// Like [`StreamWriter::create`] with a chosen buffer size (a run writes many streams at
+    /// once and keeps each buffer smaller).
+    pub(crate) fn create_with_buffer(
+        path: &Path,
+        header: &StreamHeader,
+        buffer_bytes: usize,
+    ) -> Result<Self, LogError> {
         let file = File::create(path).map_err(|e| LogError::io(path, e))?;
-        Self::new_named(
-            BufWriter::with_capacity(FILE_BUFFER_BYTES, file),
-            header,
-            path,
-        )
+        Self::new_named(BufWriter::with_capacity(buffer_bytes, file), header, path)
     }
 
     /// Reopens an existing stream to continue it (a restarted live worker). Reads and validates
@@ -171,22 +168,12 @@ impl StreamWriter<BufWriter<File>> {
     pub fn open_append(path: impl AsRef<Path>) -> Result<(Self, Option<TornTail>), LogError> {
         let path = path.as_ref();
         let io = |e| LogError::io(path, e);
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(io)?;
+        let mut file = OpenOptions::new().read(true).write(true).open(path).map_err(io)?;
         let (header, next_seq, end, torn) = {
             let clone = file.try_clone().map_err(io)?;
-            let mut reader =
-                StreamReader::new(BufReader::with_capacity(FILE_BUFFER_BYTES, clone), path)?;
+            let mut reader = StreamReader::new(BufReader::with_capacity(FILE_BUFFER_BYTES, clone), path)?;
             while reader.next_record()?.is_some() {}
-            (
-                reader.header().clone(),
-                reader.next_seq(),
-                reader.offset(),
-                reader.torn_tail(),
-            )
+            (reader.header().clone(), reader.next_seq(), reader.offset(), reader.torn_tail())
         };
         if torn.is_some() {
             file.set_len(end).map_err(io)?;
@@ -208,9 +195,6 @@ impl StreamWriter<BufWriter<File>> {
     /// Flushes and asks the OS to put the data on disk (for live workers at checkpoints).
     pub fn sync_data(&mut self) -> Result<(), LogError> {
         self.flush()?;
-        self.inner
-            .get_ref()
-            .sync_data()
-            .map_err(|e| LogError::io(&self.name, e))
+        self.inner.get_ref().sync_data().map_err(|e| LogError::io(&self.name, e))
     }
 }

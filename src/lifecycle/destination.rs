@@ -18,13 +18,11 @@
 //! in the core's pending FIFO (vLLM's head-of-line wait for capacity) does not count against it.
 
 use super::messages::{event_name, HandoffMessage, MessageBody};
-use super::{
-    check_policy, rejected, NewHandoffError, PeerCheck, PeerSession, Transition, TransitionError,
-};
+use super::{check_policy, rejected, NewHandoffError, PeerCheck, PeerSession, Transition, TransitionError};
 use crate::events::{Fact, MessageKind, MessageRejection};
 use crate::ids::{
-    CancelReason, DestinationReservationId, EndReason, Generation, HandoffId, HandoffPolicy,
-    KvHandoffDemand, RequestId, WorkerId,
+    CancelReason, DestinationReservationId, EndReason, Generation, HandoffId, HandoffPolicy, KvHandoffDemand,
+    RequestId, WorkerId,
 };
 
 /// Reservation timing and transfer sizing for the destination role.
@@ -62,17 +60,11 @@ pub enum DestinationState {
     /// waiting in the core's pending FIFO).
     Reserving,
     /// Physical destination capacity is held; waiting for the source to be ready.
-    Reserved {
-        reservation: DestinationReservationId,
-    },
+    Reserved { reservation: DestinationReservationId },
     /// The transfer into the reservation is in flight.
-    Receiving {
-        reservation: DestinationReservationId,
-    },
+    Receiving { reservation: DestinationReservationId },
     /// Destination KV is valid and the request is ordinary decode work.
-    Active {
-        reservation: DestinationReservationId,
-    },
+    Active { reservation: DestinationReservationId },
     /// Ended, exactly once.
     Released { how: EndReason },
 }
@@ -96,11 +88,7 @@ pub enum DestinationEvent {
     /// The decode router picked `worker` (must be this worker) for the handoff.
     Routed { worker: WorkerId },
     /// The engine core's `DestinationReserved` output.
-    Reserved {
-        reservation: DestinationReservationId,
-        prefix_tokens: u32,
-        missing_tokens: u32,
-    },
+    Reserved { reservation: DestinationReservationId, prefix_tokens: u32, missing_tokens: u32 },
     /// The core can never reserve here (never fits, unsupported); it has already dropped it.
     ReservationFailed { reason: CancelReason },
     /// A message from the source.
@@ -141,30 +129,18 @@ pub enum DestinationAction {
     /// the deadline if the core reserves at once; the machine's own timer starts at `Reserved`.
     ReserveDestination { deadline_ns: u64 },
     /// Start the transfer from `from` (the adapter schedules `ReceiveCompleted`).
-    StartReceive {
-        from: WorkerId,
-        missing_tokens: u32,
-        bytes: u64,
-    },
+    StartReceive { from: WorkerId, missing_tokens: u32, bytes: u64 },
     /// `EngineCore::activate_destination(handoff, at_ns)`: ends `reservation` by activation.
-    ActivateDestination {
-        reservation: DestinationReservationId,
-    },
+    ActivateDestination { reservation: DestinationReservationId },
     /// `EngineCore::cancel_destination(handoff, reason, at_ns)`. `reservation: None` ends a
     /// reservation request the core has not acknowledged (pending, or reserved but not yet
     /// reported); `Some(r)` ends reservation `r`. Each happens at most once.
-    ReleaseDestination {
-        reservation: Option<DestinationReservationId>,
-        reason: EndReason,
-    },
+    ReleaseDestination { reservation: Option<DestinationReservationId>, reason: EndReason },
     /// The handoff was over (activated) when it was canceled: abort the running decode request
     /// (`EngineCore::cancel_destination` handles an activated handoff as a request abort).
     AbortRequest { reason: CancelReason },
     /// Deliver `message` to `to`.
-    Send {
-        to: WorkerId,
-        message: HandoffMessage,
-    },
+    Send { to: WorkerId, message: HandoffMessage },
     /// Arm the reservation timer: feed `ReservationExpired` at `deadline_ns`.
     ScheduleReservationTimer { deadline_ns: u64 },
 }
@@ -273,9 +249,7 @@ impl DestinationHandoff {
     /// The reservation deadline while a reservation is held and not yet activated.
     pub fn deadline_ns(&self) -> Option<u64> {
         match self.state {
-            DestinationState::Reserved { .. } | DestinationState::Receiving { .. } => {
-                self.deadline_ns
-            }
+            DestinationState::Reserved { .. } | DestinationState::Receiving { .. } => self.deadline_ns,
             _ => None,
         }
     }
@@ -298,18 +272,10 @@ impl DestinationHandoff {
     }
 
     fn err(&self, event: &'static str) -> TransitionError {
-        TransitionError {
-            handoff: self.id,
-            state: self.state.name(),
-            event,
-        }
+        TransitionError { handoff: self.id, state: self.state.name(), event }
     }
 
-    fn apply(
-        &mut self,
-        ev: DestinationEvent,
-        at_ns: u64,
-    ) -> Result<DestinationTransition, TransitionError> {
+    fn apply(&mut self, ev: DestinationEvent, at_ns: u64) -> Result<DestinationTransition, TransitionError> {
         let mut t = DestinationTransition::none();
         match ev {
             DestinationEvent::Routed { worker } => {
@@ -320,25 +286,13 @@ impl DestinationHandoff {
                     self.state = DestinationState::Reserving;
                     self.reserve_issued = true;
                     let deadline_ns = at_ns.saturating_add(self.config.reservation_ns);
-                    t.facts.push(Fact::DestinationRouted {
-                        handoff: self.id,
-                        worker,
-                    });
-                    t.actions
-                        .push(DestinationAction::ReserveDestination { deadline_ns });
+                    t.facts.push(Fact::DestinationRouted { handoff: self.id, worker });
+                    t.actions.push(DestinationAction::ReserveDestination { deadline_ns });
                 }
                 // Otherwise a duplicate, or late after release.
             }
-            DestinationEvent::Reserved {
-                reservation,
-                prefix_tokens,
-                missing_tokens,
-            } => {
-                let info = ReservationInfo {
-                    id: reservation,
-                    prefix_tokens,
-                    missing_tokens,
-                };
+            DestinationEvent::Reserved { reservation, prefix_tokens, missing_tokens } => {
+                let info = ReservationInfo { id: reservation, prefix_tokens, missing_tokens };
                 match self.state {
                     DestinationState::NotRouted => return Err(self.err(ev.name())),
                     DestinationState::Reserving => {
@@ -346,8 +300,7 @@ impl DestinationHandoff {
                         let deadline_ns = at_ns.saturating_add(self.config.reservation_ns);
                         self.deadline_ns = Some(deadline_ns);
                         self.state = DestinationState::Reserved { reservation };
-                        t.actions
-                            .push(DestinationAction::ScheduleReservationTimer { deadline_ns });
+                        t.actions.push(DestinationAction::ScheduleReservationTimer { deadline_ns });
                         self.send_reserved(&mut t);
                         if self.source_ready.is_some() {
                             self.start_receive(&mut t)?;
@@ -378,13 +331,8 @@ impl DestinationHandoff {
             DestinationEvent::ReservationFailed { reason } => match self.state {
                 DestinationState::Reserving => {
                     // The core dropped the request itself: nothing to free here.
-                    self.state = DestinationState::Released {
-                        how: EndReason::Canceled(reason),
-                    };
-                    t.facts.push(Fact::HandoffCanceled {
-                        handoff: self.id,
-                        reason,
-                    });
+                    self.state = DestinationState::Released { how: EndReason::Canceled(reason) };
+                    t.facts.push(Fact::HandoffCanceled { handoff: self.id, reason });
                     self.send_abort(&mut t, reason);
                 }
                 DestinationState::Released { .. } => {}
@@ -394,8 +342,7 @@ impl DestinationHandoff {
                 DestinationState::Receiving { reservation } => {
                     self.state = DestinationState::Active { reservation };
                     t.facts.push(Fact::ReceiveCompleted { handoff: self.id });
-                    t.actions
-                        .push(DestinationAction::ActivateDestination { reservation });
+                    t.actions.push(DestinationAction::ActivateDestination { reservation });
                     match self.peer.worker {
                         Some(to) => self.send(&mut t, to, MessageBody::ReceiveCompleted),
                         None => return Err(self.err(ev.name())), // unreachable: Receiving needs SourceReady
@@ -405,17 +352,11 @@ impl DestinationHandoff {
                 _ => return Err(self.err(ev.name())),
             },
             DestinationEvent::ReservationExpired => match self.state {
-                DestinationState::Reserved { reservation }
-                | DestinationState::Receiving { reservation } => {
+                DestinationState::Reserved { reservation } | DestinationState::Receiving { reservation } => {
                     let deadline = self.deadline_ns.unwrap_or(0);
                     if at_ns >= deadline {
-                        self.state = DestinationState::Released {
-                            how: EndReason::Expired,
-                        };
-                        t.facts.push(Fact::ReservationExpired {
-                            handoff: self.id,
-                            reservation,
-                        });
+                        self.state = DestinationState::Released { how: EndReason::Expired };
+                        t.facts.push(Fact::ReservationExpired { handoff: self.id, reservation });
                         t.actions.push(DestinationAction::ReleaseDestination {
                             reservation: Some(reservation),
                             reason: EndReason::Expired,
@@ -425,9 +366,7 @@ impl DestinationHandoff {
                 }
                 // Activated or released: the timer outlived the reservation.
                 DestinationState::Active { .. } | DestinationState::Released { .. } => {}
-                DestinationState::NotRouted | DestinationState::Reserving => {
-                    return Err(self.err(ev.name()))
-                }
+                DestinationState::NotRouted | DestinationState::Reserving => return Err(self.err(ev.name())),
             },
             DestinationEvent::Cancelled { reason } => {
                 if !self.is_released() {
@@ -436,9 +375,7 @@ impl DestinationHandoff {
             }
             DestinationEvent::RequestFinished => match self.state {
                 DestinationState::Active { .. } => {
-                    self.state = DestinationState::Released {
-                        how: EndReason::Success,
-                    };
+                    self.state = DestinationState::Released { how: EndReason::Success };
                 }
                 DestinationState::Released { .. } => {}
                 _ => return Err(self.err(ev.name())),
@@ -491,9 +428,7 @@ impl DestinationHandoff {
                 // The transfer is complete; the source's fate no longer matters here.
                 let why = match (check, msg.body) {
                     (PeerCheck::Stale, _) => MessageRejection::StaleGeneration,
-                    (PeerCheck::Current, MessageBody::SourceReady { .. }) => {
-                        MessageRejection::Duplicate
-                    }
+                    (PeerCheck::Current, MessageBody::SourceReady { .. }) => MessageRejection::Duplicate,
                     _ => MessageRejection::Late,
                 };
                 t.facts.push(rejected(&msg, why));
@@ -503,8 +438,7 @@ impl DestinationHandoff {
         }
         match check {
             PeerCheck::Stale => {
-                t.facts
-                    .push(rejected(&msg, MessageRejection::StaleGeneration));
+                t.facts.push(rejected(&msg, MessageRejection::StaleGeneration));
                 return Ok(());
             }
             PeerCheck::Restarted => {
@@ -516,21 +450,14 @@ impl DestinationHandoff {
             PeerCheck::Current | PeerCheck::Foreign => {}
         }
         match msg.body {
-            MessageBody::SourceReady {
-                blocks,
-                prompt_tokens,
-                ..
-            } => {
+            MessageBody::SourceReady { blocks, prompt_tokens, .. } => {
                 if self.source_ready.is_some() {
                     t.facts.push(rejected(&msg, MessageRejection::Duplicate));
                     return Ok(());
                 }
                 self.peer.learn(msg.from, msg.generation);
                 t.facts.push(msg.received_fact());
-                self.source_ready = Some(SourceReadyInfo {
-                    blocks,
-                    prompt_tokens,
-                });
+                self.source_ready = Some(SourceReadyInfo { blocks, prompt_tokens });
                 if let DestinationState::Reserved { .. } = self.state {
                     // If the source was unknown when we reserved, it learns of the reservation now.
                     self.send_reserved(t);
@@ -548,17 +475,9 @@ impl DestinationHandoff {
     }
 
     fn send(&mut self, t: &mut DestinationTransition, to: WorkerId, body: MessageBody) {
-        let message = HandoffMessage {
-            handoff: self.id,
-            from: self.worker,
-            generation: self.generation,
-            body,
-        };
-        t.facts.push(Fact::MessageSent {
-            handoff: self.id,
-            kind: body.kind(),
-            to,
-        });
+        let message =
+            HandoffMessage { handoff: self.id, from: self.worker, generation: self.generation, body };
+        t.facts.push(Fact::MessageSent { handoff: self.id, kind: body.kind(), to });
         t.actions.push(DestinationAction::Send { to, message });
     }
 
@@ -586,16 +505,8 @@ impl DestinationHandoff {
         };
         self.state = DestinationState::Receiving { reservation: r.id };
         let bytes = u64::from(r.missing_tokens).saturating_mul(self.config.kv_bytes_per_token);
-        t.actions.push(DestinationAction::StartReceive {
-            from,
-            missing_tokens: r.missing_tokens,
-            bytes,
-        });
-        t.facts.push(Fact::ReceiveStarted {
-            handoff: self.id,
-            from,
-            bytes,
-        });
+        t.actions.push(DestinationAction::StartReceive { from, missing_tokens: r.missing_tokens, bytes });
+        t.facts.push(Fact::ReceiveStarted { handoff: self.id, from, bytes });
         Ok(())
     }
 
@@ -615,17 +526,12 @@ impl DestinationHandoff {
         let mut tell_peer = local;
         match self.state {
             DestinationState::NotRouted | DestinationState::Released { .. } => {}
-            DestinationState::Reserving => t.actions.push(DestinationAction::ReleaseDestination {
-                reservation: None,
-                reason: how,
-            }),
-            DestinationState::Reserved { reservation }
-            | DestinationState::Receiving { reservation } => {
-                t.actions.push(DestinationAction::ReleaseDestination {
-                    reservation: Some(reservation),
-                    reason: how,
-                })
+            DestinationState::Reserving => {
+                t.actions.push(DestinationAction::ReleaseDestination { reservation: None, reason: how })
             }
+            DestinationState::Reserved { reservation } | DestinationState::Receiving { reservation } => t
+                .actions
+                .push(DestinationAction::ReleaseDestination { reservation: Some(reservation), reason: how }),
             DestinationState::Active { .. } => {
                 // The reservation already ended by activation and the source was told; only the
                 // running request remains.
@@ -634,10 +540,7 @@ impl DestinationHandoff {
             }
         }
         self.state = DestinationState::Released { how };
-        t.facts.push(Fact::HandoffCanceled {
-            handoff: self.id,
-            reason,
-        });
+        t.facts.push(Fact::HandoffCanceled { handoff: self.id, reason });
         if tell_peer {
             self.send_abort(t, reason);
         } else {

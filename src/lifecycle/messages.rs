@@ -25,11 +25,7 @@ pub struct HandoffMessage {
 pub enum MessageBody {
     /// Source → destination: the prefill is done and its KV is pinned; the destination may read
     /// it once it holds a reservation.
-    SourceReady {
-        source: WorkerId,
-        blocks: u32,
-        prompt_tokens: u32,
-    },
+    SourceReady { source: WorkerId, blocks: u32, prompt_tokens: u32 },
     /// Destination → source: physical destination capacity is reserved for this handoff
     /// (destination-first: the source may now dispatch its prefill).
     DestinationReserved {
@@ -112,11 +108,7 @@ mod tests {
     fn kinds_match_bodies() {
         let bodies = [
             (
-                MessageBody::SourceReady {
-                    source: WorkerId::prefill(0),
-                    blocks: 1,
-                    prompt_tokens: 2,
-                },
+                MessageBody::SourceReady { source: WorkerId::prefill(0), blocks: 1, prompt_tokens: 2 },
                 MessageKind::SourceReady,
             ),
             (
@@ -130,12 +122,7 @@ mod tests {
             ),
             (MessageBody::ReceiveCompleted, MessageKind::ReceiveCompleted),
             (MessageBody::ReaderCompleted, MessageKind::ReaderCompleted),
-            (
-                MessageBody::Abort {
-                    reason: CancelReason::PeerLost,
-                },
-                MessageKind::Abort,
-            ),
+            (MessageBody::Abort { reason: CancelReason::PeerLost }, MessageKind::Abort),
             (MessageBody::LeaseRenewal, MessageKind::LeaseRenewal),
         ];
         for (b, k) in bodies {

@@ -45,8 +45,7 @@ pub use destination::{
 };
 pub use messages::{HandoffMessage, MessageBody};
 pub use source::{
-    SourceAction, SourceConfig, SourceEvent, SourceHandoff, SourceInit, SourceState,
-    SourceTransition,
+    SourceAction, SourceConfig, SourceEvent, SourceHandoff, SourceInit, SourceState, SourceTransition,
 };
 
 use crate::events::{Fact, MessageRejection};
@@ -62,10 +61,7 @@ pub struct Transition<A> {
 
 impl<A> Default for Transition<A> {
     fn default() -> Self {
-        Transition {
-            actions: Vec::new(),
-            facts: Vec::new(),
-        }
+        Transition { actions: Vec::new(), facts: Vec::new() }
     }
 }
 
@@ -123,11 +119,7 @@ pub(crate) enum PeerCheck {
 
 impl PeerSession {
     pub fn new(worker: Option<WorkerId>, generation: Option<Generation>) -> Self {
-        PeerSession {
-            worker,
-            generation,
-            abort_sent: false,
-        }
+        PeerSession { worker, generation, abort_sent: false }
     }
 
     pub fn check(&self, from: WorkerId, generation: Generation) -> PeerCheck {
@@ -156,10 +148,7 @@ impl PeerSession {
     }
 }
 
-pub(crate) fn check_policy(
-    handoff: HandoffId,
-    policy: HandoffPolicy,
-) -> Result<(), NewHandoffError> {
+pub(crate) fn check_policy(handoff: HandoffId, policy: HandoffPolicy) -> Result<(), NewHandoffError> {
     if policy == HandoffPolicy::Disabled {
         return Err(NewHandoffError::PolicyDisabled(handoff));
     }

@@ -55,10 +55,7 @@ pub fn milestone(fact: &Fact) -> Option<Milestone> {
         Fact::DestinationReserved { .. } => Some(Milestone::DestinationReserved),
         Fact::ReceiveStarted { .. } => Some(Milestone::ReceiveStarted),
         Fact::DestinationActivated { .. } => Some(Milestone::DestinationActivated),
-        Fact::SourceReleased {
-            reason: EndReason::Success,
-            ..
-        } => Some(Milestone::SourceReleased),
+        Fact::SourceReleased { reason: EndReason::Success, .. } => Some(Milestone::SourceReleased),
         _ => None,
     }
 }
@@ -104,10 +101,7 @@ pub fn observed_order<'a>(facts: impl IntoIterator<Item = &'a Fact>) -> Vec<Mile
 }
 
 /// Whether `facts` show exactly the policy's normalized order.
-pub fn follows_expected_order<'a>(
-    policy: HandoffPolicy,
-    facts: impl IntoIterator<Item = &'a Fact>,
-) -> bool {
+pub fn follows_expected_order<'a>(policy: HandoffPolicy, facts: impl IntoIterator<Item = &'a Fact>) -> bool {
     observed_order(facts) == expected_order(policy)
 }
 
@@ -117,19 +111,11 @@ mod tests {
 
     #[test]
     fn policies_say_who_moves_first() {
-        assert!(source_waits_for_destination(
-            HandoffPolicy::DestinationFirst
-        ));
+        assert!(source_waits_for_destination(HandoffPolicy::DestinationFirst));
         assert!(!source_waits_for_destination(HandoffPolicy::SourceFirst));
         assert!(source_may_strand(HandoffPolicy::SourceFirst));
-        assert_eq!(
-            initiating_role(HandoffPolicy::SourceFirst),
-            Some(Role::Prefill)
-        );
-        assert_eq!(
-            initiating_role(HandoffPolicy::DestinationFirst),
-            Some(Role::Decode)
-        );
+        assert_eq!(initiating_role(HandoffPolicy::SourceFirst), Some(Role::Prefill));
+        assert_eq!(initiating_role(HandoffPolicy::DestinationFirst), Some(Role::Decode));
         assert_eq!(initiating_role(HandoffPolicy::Disabled), None);
         assert!(!is_enabled(HandoffPolicy::Disabled));
     }

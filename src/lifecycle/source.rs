@@ -19,13 +19,11 @@
 //! reserved, otherwise when the destination's `DestinationReserved` arrives.
 
 use super::messages::{event_name, HandoffMessage, MessageBody};
-use super::{
-    check_policy, rejected, NewHandoffError, PeerCheck, PeerSession, Transition, TransitionError,
-};
+use super::{check_policy, rejected, NewHandoffError, PeerCheck, PeerSession, Transition, TransitionError};
 use crate::events::{Fact, MessageKind, MessageRejection};
 use crate::ids::{
-    CancelReason, EndReason, Generation, HandoffId, HandoffPolicy, KvHandoffDemand, RequestId,
-    SourceLeaseId, WorkerId,
+    CancelReason, EndReason, Generation, HandoffId, HandoffPolicy, KvHandoffDemand, RequestId, SourceLeaseId,
+    WorkerId,
 };
 
 /// Lease timing for the source role.
@@ -63,17 +61,9 @@ pub enum SourceState {
     /// The prefill was dispatched to the engine core and has not pinned yet.
     Computing,
     /// Prefill done, KV pinned; no destination reservation known yet (stranded KV).
-    Pinned {
-        lease: SourceLeaseId,
-        blocks: u32,
-        deadline_ns: u64,
-    },
+    Pinned { lease: SourceLeaseId, blocks: u32, deadline_ns: u64 },
     /// Pinned, and the destination has reserved: waiting for its reader completion.
-    AwaitingReaderCompletion {
-        lease: SourceLeaseId,
-        blocks: u32,
-        deadline_ns: u64,
-    },
+    AwaitingReaderCompletion { lease: SourceLeaseId, blocks: u32, deadline_ns: u64 },
     /// Ended, exactly once.
     Released { how: EndReason },
 }
@@ -99,11 +89,7 @@ pub enum SourceEvent {
     /// A message from the destination (or the transport on its behalf).
     Message(HandoffMessage),
     /// The engine core's `SourcePinned` output: terminal prefill ownership became this lease.
-    PrefillPinned {
-        lease: SourceLeaseId,
-        blocks: u32,
-        deadline_ns: u64,
-    },
+    PrefillPinned { lease: SourceLeaseId, blocks: u32, deadline_ns: u64 },
     /// The adapter's lease timer fired at `at_ns`. Ignored when the deadline has moved later.
     LeaseExpired,
     /// Local cancellation (request abort, teardown, own session ending).
@@ -132,18 +118,12 @@ pub enum SourceAction {
     DispatchPrefill { lease_ns: u64 },
     /// `EngineCore::release_source(handoff, reason, at_ns)`: ends `lease`. Issued exactly once
     /// per lease the core reported.
-    ReleaseSource {
-        lease: SourceLeaseId,
-        reason: EndReason,
-    },
+    ReleaseSource { lease: SourceLeaseId, reason: EndReason },
     /// `EngineCore::cancel_source(handoff, reason, at_ns)`: ends a dispatched prefill that has
     /// not reported a pin (queued, computing, or pinned but not yet reported).
     CancelPrefill { reason: CancelReason },
     /// Deliver `message` to `to` (in-process in replay, over TCP live).
-    Send {
-        to: WorkerId,
-        message: HandoffMessage,
-    },
+    Send { to: WorkerId, message: HandoffMessage },
     /// Arm (or re-arm) the lease timer: feed `LeaseExpired` at `deadline_ns`. Earlier timers may
     /// be left to fire; the machine ignores them.
     ScheduleLeaseTimer { deadline_ns: u64 },
@@ -248,11 +228,7 @@ impl SourceHandoff {
     }
 
     /// Apply one event at `at_ns`. On error nothing changed.
-    pub fn handle(
-        &mut self,
-        ev: SourceEvent,
-        at_ns: u64,
-    ) -> Result<SourceTransition, TransitionError> {
+    pub fn handle(&mut self, ev: SourceEvent, at_ns: u64) -> Result<SourceTransition, TransitionError> {
         // Work on a copy and commit only on success: an error can never leave a half-applied
         // transition behind. The machine is a few dozen bytes.
         let mut next = self.clone();
@@ -262,47 +238,28 @@ impl SourceHandoff {
     }
 
     fn err(&self, event: &'static str) -> TransitionError {
-        TransitionError {
-            handoff: self.id,
-            state: self.state.name(),
-            event,
-        }
+        TransitionError { handoff: self.id, state: self.state.name(), event }
     }
 
     fn apply(&mut self, ev: SourceEvent, at_ns: u64) -> Result<SourceTransition, TransitionError> {
         let mut t = SourceTransition::none();
         match ev {
             SourceEvent::Start => {
-                if self.state == SourceState::NotStarted
-                    && self.policy == HandoffPolicy::SourceFirst
-                {
+                if self.state == SourceState::NotStarted && self.policy == HandoffPolicy::SourceFirst {
                     self.dispatch(&mut t);
                 }
                 // Destination-first waits for the reservation; anything later is a duplicate.
             }
-            SourceEvent::PrefillPinned {
-                lease,
-                blocks,
-                deadline_ns,
-            } => match self.state {
+            SourceEvent::PrefillPinned { lease, blocks, deadline_ns } => match self.state {
                 SourceState::NotStarted => return Err(self.err(ev.name())),
                 SourceState::Computing => {
                     self.lease = Some(lease);
                     self.state = if self.destination_reserved {
-                        SourceState::AwaitingReaderCompletion {
-                            lease,
-                            blocks,
-                            deadline_ns,
-                        }
+                        SourceState::AwaitingReaderCompletion { lease, blocks, deadline_ns }
                     } else {
-                        SourceState::Pinned {
-                            lease,
-                            blocks,
-                            deadline_ns,
-                        }
+                        SourceState::Pinned { lease, blocks, deadline_ns }
                     };
-                    t.actions
-                        .push(SourceAction::ScheduleLeaseTimer { deadline_ns });
+                    t.actions.push(SourceAction::ScheduleLeaseTimer { deadline_ns });
                     self.send_source_ready(&mut t, blocks);
                 }
                 SourceState::Pinned { lease: l, .. }
@@ -318,8 +275,7 @@ impl SourceHandoff {
                         None if self.dispatched => {
                             // The core pinned before it saw our cancel: end the pin now.
                             self.lease = Some(lease);
-                            t.actions
-                                .push(SourceAction::ReleaseSource { lease, reason: how });
+                            t.actions.push(SourceAction::ReleaseSource { lease, reason: how });
                         }
                         None => return Err(self.err(ev.name())),
                     }
@@ -327,24 +283,12 @@ impl SourceHandoff {
             },
             SourceEvent::LeaseExpired => match self.state {
                 SourceState::NotStarted | SourceState::Computing => return Err(self.err(ev.name())),
-                SourceState::Pinned {
-                    lease, deadline_ns, ..
-                }
-                | SourceState::AwaitingReaderCompletion {
-                    lease, deadline_ns, ..
-                } => {
+                SourceState::Pinned { lease, deadline_ns, .. }
+                | SourceState::AwaitingReaderCompletion { lease, deadline_ns, .. } => {
                     if at_ns >= deadline_ns {
-                        self.state = SourceState::Released {
-                            how: EndReason::Expired,
-                        };
-                        t.actions.push(SourceAction::ReleaseSource {
-                            lease,
-                            reason: EndReason::Expired,
-                        });
-                        t.facts.push(Fact::LeaseExpired {
-                            handoff: self.id,
-                            lease,
-                        });
+                        self.state = SourceState::Released { how: EndReason::Expired };
+                        t.actions.push(SourceAction::ReleaseSource { lease, reason: EndReason::Expired });
+                        t.facts.push(Fact::LeaseExpired { handoff: self.id, lease });
                         // The destination must not read freed blocks: tell it.
                         self.send_abort(&mut t, CancelReason::TransferFailed);
                     }
@@ -360,13 +304,8 @@ impl SourceHandoff {
             SourceEvent::PrefillFailed { reason } => match self.state {
                 SourceState::Computing => {
                     // The core already ended the prefill: nothing to free here.
-                    self.state = SourceState::Released {
-                        how: EndReason::Canceled(reason),
-                    };
-                    t.facts.push(Fact::HandoffCanceled {
-                        handoff: self.id,
-                        reason,
-                    });
+                    self.state = SourceState::Released { how: EndReason::Canceled(reason) };
+                    t.facts.push(Fact::HandoffCanceled { handoff: self.id, reason });
                     self.send_abort(&mut t, reason);
                 }
                 SourceState::Released { .. } => {}
@@ -407,8 +346,7 @@ impl SourceHandoff {
         }
         match check {
             PeerCheck::Stale => {
-                t.facts
-                    .push(rejected(&msg, MessageRejection::StaleGeneration));
+                t.facts.push(rejected(&msg, MessageRejection::StaleGeneration));
                 return Ok(());
             }
             PeerCheck::Restarted => {
@@ -435,33 +373,19 @@ impl SourceHandoff {
                     SourceState::NotStarted if self.policy == HandoffPolicy::DestinationFirst => {
                         self.dispatch(t);
                     }
-                    SourceState::Pinned {
-                        lease,
-                        blocks,
-                        deadline_ns,
-                    } => {
-                        self.state = SourceState::AwaitingReaderCompletion {
-                            lease,
-                            blocks,
-                            deadline_ns,
-                        };
+                    SourceState::Pinned { lease, blocks, deadline_ns } => {
+                        self.state = SourceState::AwaitingReaderCompletion { lease, blocks, deadline_ns };
                         self.send_source_ready(t, blocks);
                     }
                     _ => {}
                 }
             }
             MessageBody::ReceiveCompleted | MessageBody::ReaderCompleted => match self.state {
-                SourceState::Pinned { lease, .. }
-                | SourceState::AwaitingReaderCompletion { lease, .. } => {
+                SourceState::Pinned { lease, .. } | SourceState::AwaitingReaderCompletion { lease, .. } => {
                     self.accept(t, &msg);
-                    self.state = SourceState::Released {
-                        how: EndReason::Success,
-                    };
+                    self.state = SourceState::Released { how: EndReason::Success };
                     t.facts.push(Fact::ReaderCompleted { handoff: self.id });
-                    t.actions.push(SourceAction::ReleaseSource {
-                        lease,
-                        reason: EndReason::Success,
-                    });
+                    t.actions.push(SourceAction::ReleaseSource { lease, reason: EndReason::Success });
                 }
                 _ => return Err(self.err(name)),
             },
@@ -470,16 +394,8 @@ impl SourceHandoff {
                 self.cancel(t, reason, false);
             }
             MessageBody::LeaseRenewal => match self.state {
-                SourceState::Pinned {
-                    lease,
-                    blocks,
-                    deadline_ns,
-                }
-                | SourceState::AwaitingReaderCompletion {
-                    lease,
-                    blocks,
-                    deadline_ns,
-                } => {
+                SourceState::Pinned { lease, blocks, deadline_ns }
+                | SourceState::AwaitingReaderCompletion { lease, blocks, deadline_ns } => {
                     let extended = deadline_ns.max(at_ns.saturating_add(self.config.renew_ns));
                     if extended == deadline_ns {
                         t.facts.push(rejected(&msg, MessageRejection::Duplicate));
@@ -487,25 +403,13 @@ impl SourceHandoff {
                     }
                     self.accept(t, &msg);
                     self.state = match self.state {
-                        SourceState::Pinned { .. } => SourceState::Pinned {
-                            lease,
-                            blocks,
-                            deadline_ns: extended,
-                        },
-                        _ => SourceState::AwaitingReaderCompletion {
-                            lease,
-                            blocks,
-                            deadline_ns: extended,
-                        },
+                        SourceState::Pinned { .. } => {
+                            SourceState::Pinned { lease, blocks, deadline_ns: extended }
+                        }
+                        _ => SourceState::AwaitingReaderCompletion { lease, blocks, deadline_ns: extended },
                     };
-                    t.facts.push(Fact::LeaseRenewed {
-                        handoff: self.id,
-                        lease,
-                        deadline_ns: extended,
-                    });
-                    t.actions.push(SourceAction::ScheduleLeaseTimer {
-                        deadline_ns: extended,
-                    });
+                    t.facts.push(Fact::LeaseRenewed { handoff: self.id, lease, deadline_ns: extended });
+                    t.actions.push(SourceAction::ScheduleLeaseTimer { deadline_ns: extended });
                 }
                 // No lease yet: the heartbeat only shows the destination is alive.
                 _ => self.accept(t, &msg),
@@ -523,24 +427,14 @@ impl SourceHandoff {
     fn dispatch(&mut self, t: &mut SourceTransition) {
         self.state = SourceState::Computing;
         self.dispatched = true;
-        t.actions.push(SourceAction::DispatchPrefill {
-            lease_ns: self.config.lease_ns,
-        });
+        t.actions.push(SourceAction::DispatchPrefill { lease_ns: self.config.lease_ns });
         t.facts.push(Fact::PrefillDispatched { handoff: self.id });
     }
 
     fn send(&mut self, t: &mut SourceTransition, to: WorkerId, body: MessageBody) {
-        let message = HandoffMessage {
-            handoff: self.id,
-            from: self.worker,
-            generation: self.generation,
-            body,
-        };
-        t.facts.push(Fact::MessageSent {
-            handoff: self.id,
-            kind: body.kind(),
-            to,
-        });
+        let message =
+            HandoffMessage { handoff: self.id, from: self.worker, generation: self.generation, body };
+        t.facts.push(Fact::MessageSent { handoff: self.id, kind: body.kind(), to });
         t.actions.push(SourceAction::Send { to, message });
     }
 
@@ -576,21 +470,12 @@ impl SourceHandoff {
         match self.state {
             SourceState::NotStarted | SourceState::Released { .. } => {}
             SourceState::Computing => t.actions.push(SourceAction::CancelPrefill { reason }),
-            SourceState::Pinned { lease, .. }
-            | SourceState::AwaitingReaderCompletion { lease, .. } => {
-                t.actions.push(SourceAction::ReleaseSource {
-                    lease,
-                    reason: EndReason::Canceled(reason),
-                })
+            SourceState::Pinned { lease, .. } | SourceState::AwaitingReaderCompletion { lease, .. } => {
+                t.actions.push(SourceAction::ReleaseSource { lease, reason: EndReason::Canceled(reason) })
             }
         }
-        self.state = SourceState::Released {
-            how: EndReason::Canceled(reason),
-        };
-        t.facts.push(Fact::HandoffCanceled {
-            handoff: self.id,
-            reason,
-        });
+        self.state = SourceState::Released { how: EndReason::Canceled(reason) };
+        t.facts.push(Fact::HandoffCanceled { handoff: self.id, reason });
         if local {
             self.send_abort(t, reason);
         } else {

@@ -71,12 +71,7 @@ impl RouterBookings {
     /// (the router stream contradicts itself) and changes nothing.
     pub fn apply(&mut self, fact: &Fact) -> Result<(), String> {
         match fact {
-            Fact::PrefillBooked {
-                request,
-                worker,
-                prefill_tokens,
-                blocks,
-            } => {
+            Fact::PrefillBooked { request, worker, prefill_tokens, blocks } => {
                 if self.prefill.contains_key(request) {
                     return Err(format!("{request} prefill booked twice"));
                 }
@@ -110,18 +105,11 @@ impl RouterBookings {
                 }
                 None => return Err(format!("{request} prefill booking freed but not booked")),
             },
-            Fact::DecodeBooked {
-                request,
-                worker,
-                blocks,
-            } => {
+            Fact::DecodeBooked { request, worker, blocks } => {
                 if self.decode.contains_key(request) {
                     return Err(format!("{request} decode booked twice"));
                 }
-                self.per_worker
-                    .entry(*worker)
-                    .or_default()
-                    .booked_decode_blocks += *blocks as u64;
+                self.per_worker.entry(*worker).or_default().booked_decode_blocks += *blocks as u64;
                 self.decode.insert(*request, (*worker, *blocks as u64));
             }
             Fact::DecodeBookingFreed { request, .. } => match self.decode.remove(request) {
@@ -329,9 +317,7 @@ pub fn parse_time(text: &str) -> Result<u64, String> {
         .parse()
         .map_err(|_| format!("time `{text}`: expected a number of ms, or e.g. 12.5s, 300us"))?;
     if !v.is_finite() || v < 0.0 {
-        return Err(format!(
-            "time `{text}`: must be a finite, non-negative instant"
-        ));
+        return Err(format!("time `{text}`: must be a finite, non-negative instant"));
     }
     let ns = (v * scale).round();
     if ns > u64::MAX as f64 {
@@ -355,9 +341,7 @@ pub fn state_at(
         Some(idx) => idx.meta().monotone.clone(),
         None => vec![false; layout.headers.len()],
     };
-    let RunLayout {
-        headers, segments, ..
-    } = layout;
+    let RunLayout { headers, segments, .. } = layout;
     let n = headers.len();
     let mut folds: Vec<Option<StreamFold>> = vec![None; n];
     let mut read = 0u64;
@@ -371,10 +355,7 @@ pub fn state_at(
             None => (
                 seg.data_start,
                 vec![0; n],
-                seg.streams
-                    .iter()
-                    .map(|&s| StreamFold::new(&headers[s]))
-                    .collect(),
+                seg.streams.iter().map(|&s| StreamFold::new(&headers[s])).collect(),
             ),
         };
         let mut slot = vec![usize::MAX; n];

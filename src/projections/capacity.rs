@@ -21,9 +21,7 @@ pub struct KvCapacitySnapshot {
 
 /// A delta would take a class below zero: the facts contradict each other.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "capacity delta {delta:?} applied to {before:?} leaves a class negative or breaks conservation"
-)]
+#[error("capacity delta {delta:?} applied to {before:?} leaves a class negative or breaks conservation")]
 pub struct CapacityViolation {
     pub before: KvCapacitySnapshot,
     pub delta: KvDelta,
@@ -32,11 +30,7 @@ pub struct CapacityViolation {
 impl KvCapacitySnapshot {
     /// A fresh worker: everything free.
     pub fn empty(total_blocks: u64) -> Self {
-        KvCapacitySnapshot {
-            free_blocks: total_blocks,
-            total_blocks,
-            ..Default::default()
-        }
+        KvCapacitySnapshot { free_blocks: total_blocks, total_blocks, ..Default::default() }
     }
 
     /// `active + pinned + reserved`: what the proposal calls physical unavailability.
@@ -59,28 +53,20 @@ impl KvCapacitySnapshot {
                 v.checked_sub(d.unsigned_abs() as u64)
             }
         }
-        let bad = || CapacityViolation {
-            before: *self,
-            delta: *d,
-        };
+        let bad = || CapacityViolation { before: *self, delta: *d };
         if d.block_sum() != 0 {
             return Err(bad());
         }
         let next = KvCapacitySnapshot {
             active_blocks: add(self.active_blocks, d.active).ok_or_else(bad)?,
-            pinned_source_blocks: add(self.pinned_source_blocks, d.pinned_source)
+            pinned_source_blocks: add(self.pinned_source_blocks, d.pinned_source).ok_or_else(bad)?,
+            reserved_destination_blocks: add(self.reserved_destination_blocks, d.reserved_destination)
                 .ok_or_else(bad)?,
-            reserved_destination_blocks: add(
-                self.reserved_destination_blocks,
-                d.reserved_destination,
-            )
-            .ok_or_else(bad)?,
             cached_free_blocks: add(self.cached_free_blocks, d.cached_free).ok_or_else(bad)?,
             free_blocks: add(self.free_blocks, d.free).ok_or_else(bad)?,
             total_blocks: self.total_blocks,
             request_slots_used: add(self.request_slots_used, d.slots).ok_or_else(bad)?,
-            decode_headroom_tokens: add(self.decode_headroom_tokens, d.headroom_tokens)
-                .ok_or_else(bad)?,
+            decode_headroom_tokens: add(self.decode_headroom_tokens, d.headroom_tokens).ok_or_else(bad)?,
         };
         *self = next;
         Ok(())
@@ -103,39 +89,14 @@ mod tests {
     #[test]
     fn apply_moves_between_classes_and_refuses_overdraw() {
         let mut s = KvCapacitySnapshot::empty(10);
-        s.apply(&KvDelta {
-            free: -4,
-            active: 4,
-            slots: 1,
-            ..KvDelta::ZERO
-        })
-        .unwrap();
-        s.apply(&KvDelta {
-            active: -4,
-            pinned_source: 4,
-            slots: -1,
-            ..KvDelta::ZERO
-        })
-        .unwrap();
+        s.apply(&KvDelta { free: -4, active: 4, slots: 1, ..KvDelta::ZERO }).unwrap();
+        s.apply(&KvDelta { active: -4, pinned_source: 4, slots: -1, ..KvDelta::ZERO }).unwrap();
         assert_eq!(s.pinned_source_blocks, 4);
         assert_eq!(s.kv_used_blocks(), 4);
         assert!(s.is_conserved());
         let before = s;
-        assert!(s
-            .apply(&KvDelta {
-                active: -1,
-                free: 1,
-                ..KvDelta::ZERO
-            })
-            .is_err());
-        assert!(
-            s.apply(&KvDelta {
-                free: -1,
-                ..KvDelta::ZERO
-            })
-            .is_err(),
-            "not conserved"
-        );
+        assert!(s.apply(&KvDelta { active: -1, free: 1, ..KvDelta::ZERO }).is_err());
+        assert!(s.apply(&KvDelta { free: -1, ..KvDelta::ZERO }).is_err(), "not conserved");
         assert_eq!(s, before);
     }
 }

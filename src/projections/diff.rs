@@ -41,9 +41,7 @@
 //!   finished it, and dropped. A request finishes at its router `RequestFinished` (or the engine's,
 //!   in a run without a router); a handoff once its request finished and it holds nothing.
 
-use crate::events::index::{
-    read_record_at, records_around, RunLayout, Segment, SegmentKind, SegmentReader,
-};
+use crate::events::index::{read_record_at, records_around, RunLayout, Segment, SegmentKind, SegmentReader};
 use crate::events::{Fact, KvDelta, LogError, Record, StreamHeader, TerminalStatus};
 use crate::ids::{CancelReason, EndReason, HandoffId, RequestId, Role, WorkerId};
 use crate::projections::at::{is_booking_fact, RouterBookings};
@@ -129,12 +127,7 @@ pub struct Location {
 
 impl Location {
     fn of(worker: WorkerId, rec: &Record) -> Self {
-        Location {
-            worker,
-            seq: rec.seq,
-            at_ns: rec.at_ns,
-            fact: rec.fact.name(),
-        }
+        Location { worker, seq: rec.seq, at_ns: rec.at_ns, fact: rec.fact.name() }
     }
 }
 
@@ -239,12 +232,7 @@ enum Ctx {
     /// These records.
     Refs(Vec<RecRef>),
     /// `stream`'s records from offset `start` to `after` records past the one at `div`.
-    Span {
-        stream: usize,
-        start: u64,
-        div: u64,
-        after: usize,
-    },
+    Span { stream: usize, start: u64, div: u64, after: usize },
 }
 
 /// A candidate first divergence: the difference and record references to print around it.
@@ -351,10 +339,7 @@ pub fn diff_runs(
         counts: DiffKind::ALL.iter().map(|k| (*k, 0)).collect(),
         examples: Vec::new(),
         first: None,
-        timing: TimingSummary {
-            tolerance_pct: opts.timing_tolerance_pct,
-            ..Default::default()
-        },
+        timing: TimingSummary { tolerance_pct: opts.timing_tolerance_pct, ..Default::default() },
         compared: Compared::default(),
     };
     compare_all(&la, &lb, &mut acc, progress)?;
@@ -391,11 +376,7 @@ fn segment_of(layout: &RunLayout, stream: usize) -> Option<&Segment> {
     layout.segments.iter().find(|s| s.streams.contains(&stream))
 }
 
-fn resolve(
-    layout: &RunLayout,
-    ctx: &Ctx,
-    div: Option<RecRef>,
-) -> Result<Vec<ContextRecord>, LogError> {
+fn resolve(layout: &RunLayout, ctx: &Ctx, div: Option<RecRef>) -> Result<Vec<ContextRecord>, LogError> {
     let mut out = Vec::new();
     match ctx {
         Ctx::Refs(refs) => {
@@ -411,12 +392,7 @@ fn resolve(
                 });
             }
         }
-        Ctx::Span {
-            stream,
-            start,
-            div: d,
-            after,
-        } => {
+        Ctx::Span { stream, start, div: d, after } => {
             let Some(seg) = segment_of(layout, *stream) else {
                 return Ok(out);
             };
@@ -560,10 +536,7 @@ impl Track {
 
     /// Folds one record of this stream; returns the sequence element it adds, if any.
     fn observe(&mut self, rec: &Record, offset: u64) -> Option<QElem> {
-        let r = RecRef {
-            stream: self.stream,
-            offset,
-        };
+        let r = RecRef { stream: self.stream, offset };
         self.records += 1;
         if self.ring.len() == self.ring_cap + 1 {
             self.ring.pop_front();
@@ -587,12 +560,7 @@ impl Track {
             let ok = self.capacity.apply(&d).is_ok();
             Elem::Capacity(self.capacity, ok, d)
         };
-        Some(QElem {
-            loc,
-            r,
-            start: self.ring.front().map_or(offset, |x| x.offset),
-            elem,
-        })
+        Some(QElem { loc, r, start: self.ring.front().map_or(offset, |x| x.offset), elem })
     }
 
     fn drained(&self) -> bool {
@@ -634,19 +602,8 @@ impl Track {
     /// Context for a divergence at `e` (or, when this side's sequence ended, at its last record).
     fn ctx(&self, e: Option<&QElem>, after: usize) -> (Ctx, Option<RecRef>) {
         match e {
-            Some(q) => (
-                Ctx::Span {
-                    stream: q.r.stream,
-                    start: q.start,
-                    div: q.r.offset,
-                    after,
-                },
-                Some(q.r),
-            ),
-            None => (
-                Ctx::Refs(self.ring.iter().copied().collect()),
-                self.last_ref,
-            ),
+            Some(q) => (Ctx::Span { stream: q.r.stream, start: q.start, div: q.r.offset, after }, Some(q.r)),
+            None => (Ctx::Refs(self.ring.iter().copied().collect()), self.last_ref),
         }
     }
 }
@@ -676,11 +633,7 @@ fn seq_divergence(
     };
     let detail = format!(
         "element {index} of the {} sequence: A {}; B {}",
-        if kind == DiffKind::BookingSequence {
-            "booking"
-        } else {
-            "capacity"
-        },
+        if kind == DiffKind::BookingSequence { "booking" } else { "capacity" },
         describe(ea),
         describe(eb)
     );
@@ -692,13 +645,7 @@ fn seq_divergence(
     let (ctx_a, div_a) = ta.ctx(ea, after);
     let (ctx_b, div_b) = tb.ctx(eb, after);
     Candidate {
-        diff: Difference {
-            kind,
-            subject: format!("worker {w}"),
-            a: loc(ea, ta),
-            b: loc(eb, tb),
-            detail,
-        },
+        diff: Difference { kind, subject: format!("worker {w}"), a: loc(ea, ta), b: loc(eb, tb), detail },
         ctx_a,
         ctx_b,
         div_a,
@@ -708,11 +655,7 @@ fn seq_divergence(
 
 /// Reports the final-state difference of worker `w`, if any.
 fn final_state(acc: &mut Acc, w: WorkerId, a: &Track, b: &Track) {
-    let same = if w.role == Role::Router {
-        a.bookings == b.bookings
-    } else {
-        a.capacity == b.capacity
-    };
+    let same = if w.role == Role::Router { a.bookings == b.bookings } else { a.capacity == b.capacity };
     if a.present && b.present && same && a.drained() == b.drained() {
         return;
     }
@@ -757,11 +700,9 @@ impl WorkerSide {
         let reader = match track.present {
             true => {
                 let i = track.stream;
-                let seg = segment_of(layout, i).ok_or_else(|| LogError::EmptyRun {
-                    path: layout.run.clone(),
-                })?;
-                let mut r =
-                    SegmentReader::open_at(seg, seg.data_start, vec![0; layout.headers.len()])?;
+                let seg =
+                    segment_of(layout, i).ok_or_else(|| LogError::EmptyRun { path: layout.run.clone() })?;
+                let mut r = SegmentReader::open_at(seg, seg.data_start, vec![0; layout.headers.len()])?;
                 if seg.kind == SegmentKind::Merged {
                     r = r.only_stream(i);
                 }
@@ -809,8 +750,7 @@ fn compare_worker_lockstep(
             (None, None) => break,
             (Some(x), Some(y)) if x.elem.same(&y.elem) => index += 1,
             _ => {
-                let cand =
-                    seq_divergence(w, index, ea.as_ref(), eb.as_ref(), &a.track, &b.track, c);
+                let cand = seq_divergence(w, index, ea.as_ref(), eb.as_ref(), &a.track, &b.track, c);
                 acc.add(cand);
                 break;
             }
@@ -892,9 +832,7 @@ impl MergeReader {
     fn next(&mut self) -> Result<Option<(usize, Record, u64)>, LogError> {
         if self.readers.len() == 1 {
             let r = &mut self.readers[0];
-            return Ok(r
-                .next_record()?
-                .map(|(s, rec)| (s, rec, r.last_record_offset())));
+            return Ok(r.next_record()?.map(|(s, rec)| (s, rec, r.last_record_offset())));
         }
         if !self.started {
             self.started = true;
@@ -981,12 +919,7 @@ impl HandoffSig {
         macro_rules! field {
             ($f:ident) => {
                 if self.$f != o.$f {
-                    out.push(format!(
-                        "{} A {:?} vs B {:?}",
-                        stringify!($f),
-                        self.$f,
-                        o.$f
-                    ));
+                    out.push(format!("{} A {:?} vs B {:?}", stringify!($f), self.$f, o.$f));
                 }
             };
         }
@@ -1018,12 +951,7 @@ impl RequestSig {
         macro_rules! field {
             ($f:ident) => {
                 if self.$f != o.$f {
-                    out.push(format!(
-                        "{} A {:?} vs B {:?}",
-                        stringify!($f),
-                        self.$f,
-                        o.$f
-                    ));
+                    out.push(format!("{} A {:?} vs B {:?}", stringify!($f), self.$f, o.$f));
                 }
             };
         }
@@ -1085,11 +1013,7 @@ struct Recent<K: std::hash::Hash + Eq + Copy> {
 
 impl<K: std::hash::Hash + Eq + Copy> Recent<K> {
     fn new(cap: usize) -> Self {
-        Recent {
-            set: HashSet::default(),
-            order: VecDeque::new(),
-            cap,
-        }
+        Recent { set: HashSet::default(), order: VecDeque::new(), cap }
     }
     fn insert(&mut self, k: K) {
         if self.set.insert(k) {
@@ -1179,19 +1103,9 @@ impl EntitySide {
         let reader = MergeReader::open(layout)?;
         let workers: Vec<WorkerId> = layout.workers();
         let has_router = workers.iter().any(|w| w.role == Role::Router);
-        let tracks = all_workers
-            .iter()
-            .map(|w| Track::new(layout, *w, track_ring))
-            .collect();
-        let track_of = workers
-            .iter()
-            .map(|w| {
-                all_workers
-                    .iter()
-                    .position(|x| x == w)
-                    .unwrap_or(usize::MAX)
-            })
-            .collect();
+        let tracks = all_workers.iter().map(|w| Track::new(layout, *w, track_ring)).collect();
+        let track_of =
+            workers.iter().map(|w| all_workers.iter().position(|x| x == w).unwrap_or(usize::MAX)).collect();
         Ok(EntitySide {
             reader,
             workers,
@@ -1225,11 +1139,7 @@ impl EntitySide {
         let worker = self.workers[i];
         let r = RecRef { stream: i, offset };
         let k = self.track_of[i];
-        let elem = self
-            .tracks
-            .get_mut(k)
-            .and_then(|t| t.observe(&rec, offset))
-            .map(|q| (k, q));
+        let elem = self.tracks.get_mut(k).and_then(|t| t.observe(&rec, offset)).map(|q| (k, q));
         let loc = Location::of(worker, &rec);
         let cap = self.ring_cap;
         // Requests.
@@ -1240,9 +1150,7 @@ impl EntitySide {
                 e.last = Some(loc.clone());
                 e.last_ref = Some(r);
                 match &rec.fact {
-                    Fact::RequestArrived { .. }
-                        if worker.role == Role::Router || !self.has_router =>
-                    {
+                    Fact::RequestArrived { .. } if worker.role == Role::Router || !self.has_router => {
                         e.arrival_ns.get_or_insert(rec.at_ns);
                     }
                     Fact::PrefillBooked { worker: w, .. } => e.prefill_workers.push(*w),
@@ -1289,23 +1197,11 @@ impl EntitySide {
             }
         }
         // A request's terminal fact.
-        if let Fact::RequestFinished {
-            request,
-            status,
-            output_tokens,
-            ..
-        } = &rec.fact
-        {
+        if let Fact::RequestFinished { request, status, output_tokens, .. } = &rec.fact {
             let terminal = worker.role == Role::Router || !self.has_router;
             if terminal && !self.rdone.contains(request) {
                 if let Some(e) = self.ropen.remove(request) {
-                    self.finish_request(
-                        *request,
-                        e,
-                        Some(*status),
-                        Some(*output_tokens),
-                        Some(rec.at_ns),
-                    );
+                    self.finish_request(*request, e, Some(*status), Some(*output_tokens), Some(rec.at_ns));
                 }
             }
         }
@@ -1461,17 +1357,7 @@ fn compare_all(
         let elem = if step_a { a.step()? } else { b.step()? };
         if let Some((k, q)) = elem {
             if let Some(cmp) = cmps.get_mut(k) {
-                offer(
-                    cmp,
-                    step_a,
-                    q,
-                    &a.tracks[k],
-                    &b.tracks[k],
-                    acc,
-                    &mut queued,
-                    c,
-                    limit,
-                );
+                offer(cmp, step_a, q, &a.tracks[k], &b.tracks[k], acc, &mut queued, c, limit);
             }
         }
         read += 1;
@@ -1492,15 +1378,7 @@ fn compare_all(
             }
             CmpState::Live if !cmp.qa.is_empty() || !cmp.qb.is_empty() => {
                 // One sequence is longer than the other.
-                let cand = seq_divergence(
-                    cmp.worker,
-                    cmp.index,
-                    cmp.qa.front(),
-                    cmp.qb.front(),
-                    ta,
-                    tb,
-                    c,
-                );
+                let cand = seq_divergence(cmp.worker, cmp.index, cmp.qa.front(), cmp.qb.front(), ta, tb, c);
                 acc.add(cand);
             }
             _ => {}
@@ -1558,15 +1436,7 @@ fn offer(
             cmp.index += 1;
             continue;
         }
-        acc.add(seq_divergence(
-            cmp.worker,
-            cmp.index,
-            Some(&x),
-            Some(&y),
-            ta,
-            tb,
-            c,
-        ));
+        acc.add(seq_divergence(cmp.worker, cmp.index, Some(&x), Some(&y), ta, tb, c));
         cmp.state = CmpState::Diverged;
         break;
     }
@@ -1612,14 +1482,7 @@ fn report_handoff(acc: &mut Acc, k: &HKey, a: Option<&HDone>, b: Option<&HDone>)
     let detail = match (a, b) {
         (Some(a), Some(b)) => {
             acc.compared.handoffs += 1;
-            acc.timing(
-                &subject,
-                "source pinned",
-                a.pin_ns,
-                b.pin_ns,
-                &a.last,
-                &b.last,
-            );
+            acc.timing(&subject, "source pinned", a.pin_ns, b.pin_ns, &a.last, &b.last);
             if a.sig == b.sig {
                 return;
             }

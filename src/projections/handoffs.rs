@@ -107,11 +107,7 @@ impl HandoffEntry {
     /// How long the source was pinned (to release, or to `end_ns` if still pinned).
     pub fn pinned_ns(&self, end_ns: u64) -> Option<u64> {
         let from = self.pinned_at_ns?;
-        Some(
-            self.source_released_at_ns
-                .unwrap_or(end_ns)
-                .saturating_sub(from),
-        )
+        Some(self.source_released_at_ns.unwrap_or(end_ns).saturating_sub(from))
     }
 }
 
@@ -160,21 +156,14 @@ impl HandoffLedger {
             | Fact::MessageRejected { kind, .. } => Some(*kind),
             _ => None,
         };
-        e.transitions.push(Transition {
-            at_ns: at,
-            worker,
-            fact: record.fact.name(),
-            message,
-        });
+        e.transitions.push(Transition { at_ns: at, worker, fact: record.fact.name(), message });
         let first = |slot: &mut Option<u64>| {
             if slot.is_none() {
                 *slot = Some(at);
             }
         };
         match &record.fact {
-            Fact::HandoffStarted {
-                request, policy, ..
-            } => {
+            Fact::HandoffStarted { request, policy, .. } => {
                 e.request = Some(*request);
                 e.policy = Some(*policy);
                 first(&mut e.started_at_ns);
@@ -188,9 +177,7 @@ impl HandoffLedger {
                 e.source.get_or_insert(worker);
                 first(&mut e.dispatched_at_ns);
             }
-            Fact::SourcePinned {
-                request, blocks, ..
-            } => {
+            Fact::SourcePinned { request, blocks, .. } => {
                 e.request.get_or_insert(*request);
                 e.source = Some(worker);
                 e.pinned_blocks = *blocks;
@@ -200,12 +187,7 @@ impl HandoffLedger {
                 e.destination = Some(*dest);
                 first(&mut e.routed_at_ns);
             }
-            Fact::DestinationReserved {
-                request,
-                pages,
-                prefix_tokens,
-                ..
-            } => {
+            Fact::DestinationReserved { request, pages, prefix_tokens, .. } => {
                 e.request.get_or_insert(*request);
                 e.destination = Some(worker);
                 e.reserved_pages = *pages;
@@ -245,11 +227,7 @@ mod tests {
     use crate::ids::{DestinationReservationId, SourceLeaseId};
 
     fn rec(at_ns: u64, fact: Fact) -> Record {
-        Record {
-            seq: 0,
-            at_ns,
-            fact,
-        }
+        Record { seq: 0, at_ns, fact }
     }
 
     #[test]
@@ -273,16 +251,7 @@ mod tests {
                 },
             ),
         );
-        l.apply(
-            WorkerId::ROUTER,
-            &rec(
-                2,
-                Fact::DestinationRouted {
-                    handoff: id,
-                    worker: d,
-                },
-            ),
-        );
+        l.apply(WorkerId::ROUTER, &rec(2, Fact::DestinationRouted { handoff: id, worker: d }));
         l.apply(
             d,
             &rec(
@@ -304,11 +273,7 @@ mod tests {
             d,
             &rec(
                 5,
-                Fact::DestinationActivated {
-                    handoff: id,
-                    reservation: DestinationReservationId(1),
-                    kv: z,
-                },
+                Fact::DestinationActivated { handoff: id, reservation: DestinationReservationId(1), kv: z },
             ),
         );
         l.apply(
@@ -359,16 +324,7 @@ mod tests {
                 },
             ),
         );
-        l.apply(
-            p,
-            &rec(
-                9,
-                Fact::LeaseExpired {
-                    handoff: id,
-                    lease: SourceLeaseId(1),
-                },
-            ),
-        );
+        l.apply(p, &rec(9, Fact::LeaseExpired { handoff: id, lease: SourceLeaseId(1) }));
         l.apply(
             p,
             &rec(

@@ -166,15 +166,9 @@ impl MetricsReport {
         put("duration_ms", self.duration_ms.into());
         put("request_throughput_rps", self.request_throughput_rps.into());
         put("input_throughput_tok_s", self.input_throughput_tok_s.into());
-        put(
-            "output_throughput_tok_s",
-            self.output_throughput_tok_s.into(),
-        );
+        put("output_throughput_tok_s", self.output_throughput_tok_s.into());
         put("total_throughput_tok_s", self.total_throughput_tok_s.into());
-        put(
-            "prefix_cache_reused_ratio",
-            self.prefix_cache_reused_ratio.into(),
-        );
+        put("prefix_cache_reused_ratio", self.prefix_cache_reused_ratio.into());
         put("num_ttft_samples", self.ttft_ms.count.into());
         put("num_tpot_samples", self.tpot_ms.count.into());
         put("num_e2e_latency_samples", self.e2e_latency_ms.count.into());
@@ -182,26 +176,15 @@ impl MetricsReport {
         put("leases_expired", self.leases_expired.into());
         put("reservations_expired", self.reservations_expired.into());
         put("handoffs_canceled", self.handoffs_canceled.into());
-        put(
-            "pinned_block_seconds",
-            serde_json::to_value(&self.pinned_block_seconds).unwrap_or(Value::Null),
-        );
+        put("pinned_block_seconds", serde_json::to_value(&self.pinned_block_seconds).unwrap_or(Value::Null));
         for (name, unit, s) in [
             ("ttft", "_ms", &self.ttft_ms),
             ("tpot", "_ms", &self.tpot_ms),
             ("itl", "_ms", &self.itl_ms),
             ("e2e_latency", "_ms", &self.e2e_latency_ms),
-            (
-                "output_token_throughput_per_user",
-                "",
-                &self.output_token_throughput_per_user,
-            ),
+            ("output_token_throughput_per_user", "", &self.output_token_throughput_per_user),
             ("source_pin", "_ms", &self.source_pin_ms),
-            (
-                "prefill_done_to_reserved",
-                "_ms",
-                &self.prefill_done_to_reserved_ms,
-            ),
+            ("prefill_done_to_reserved", "_ms", &self.prefill_done_to_reserved_ms),
             ("reservation_wait", "_ms", &self.reservation_wait_ms),
         ] {
             for (stat, v) in [
@@ -259,11 +242,7 @@ impl MetricsFold {
         // Flush a pending decode step once time moves on in its stream.
         if let Some((step_at, dur, toks)) = st.pending_step {
             if at > step_at {
-                let firsts = if st.first_tokens_at.0 == step_at {
-                    st.first_tokens_at.1
-                } else {
-                    0
-                };
+                let firsts = if st.first_tokens_at.0 == step_at { st.first_tokens_at.1 } else { 0 };
                 self.itl.add_weighted(dur, toks.saturating_sub(firsts));
                 st.pending_step = None;
             }
@@ -271,17 +250,12 @@ impl MetricsFold {
         // Pinned-block integral on prefill streams.
         let kv = rec.fact.kv_delta();
         if kv.pinned_source != 0 {
-            st.pinned_block_ns +=
-                st.pinned_blocks as u128 * (at.saturating_sub(st.pinned_since_ns)) as u128;
+            st.pinned_block_ns += st.pinned_blocks as u128 * (at.saturating_sub(st.pinned_since_ns)) as u128;
             st.pinned_blocks = (st.pinned_blocks as i64 + kv.pinned_source as i64).max(0) as u64;
             st.pinned_since_ns = at;
         }
         match &rec.fact {
-            Fact::RequestArrived {
-                request,
-                input_tokens,
-                output_tokens,
-            } if role == Role::Router => {
+            Fact::RequestArrived { request, input_tokens, output_tokens } if role == Role::Router => {
                 self.num_requests += 1;
                 self.total_input_tokens += *input_tokens as u64;
                 self.first_arrival_ns = Some(self.first_arrival_ns.map_or(at, |f| f.min(at)));
@@ -295,25 +269,19 @@ impl MetricsFold {
                     },
                 );
             }
-            Fact::PrefillBooked {
-                request, worker: w, ..
-            } => {
+            Fact::PrefillBooked { request, worker: w, .. } => {
                 if let Some(r) = self.in_flight.get_mut(request) {
                     r.prefill_worker = Some(w.index);
                 }
             }
-            Fact::DecodeBooked {
-                request, worker: w, ..
-            } => {
+            Fact::DecodeBooked { request, worker: w, .. } => {
                 if let Some(r) = self.in_flight.get_mut(request) {
                     r.decode_worker = Some(w.index);
                 }
             }
-            Fact::RequestScheduled {
-                request,
-                cached_tokens,
-                ..
-            } if matches!(role, Role::Prefill | Role::Aggregated) => {
+            Fact::RequestScheduled { request, cached_tokens, .. }
+                if matches!(role, Role::Prefill | Role::Aggregated) =>
+            {
                 if let Some(r) = self.in_flight.get_mut(request) {
                     if r.reused_tokens.is_none() {
                         r.reused_tokens = Some(*cached_tokens);
@@ -323,9 +291,7 @@ impl MetricsFold {
                     }
                 }
             }
-            Fact::FirstTokenEmitted { request }
-                if matches!(role, Role::Decode | Role::Aggregated) =>
-            {
+            Fact::FirstTokenEmitted { request } if matches!(role, Role::Decode | Role::Aggregated) => {
                 let st = self.streams.entry(worker).or_default();
                 if st.first_tokens_at.0 == at {
                     st.first_tokens_at.1 += 1;
@@ -336,17 +302,13 @@ impl MetricsFold {
                     r.first_token_ns.get_or_insert(at);
                 }
             }
-            Fact::StepExecuted {
-                decode_tokens,
-                duration_ns,
-                ..
-            } if matches!(role, Role::Decode | Role::Aggregated) && *decode_tokens > 0 => {
+            Fact::StepExecuted { decode_tokens, duration_ns, .. }
+                if matches!(role, Role::Decode | Role::Aggregated) && *decode_tokens > 0 =>
+            {
                 let st = self.streams.entry(worker).or_default();
                 st.pending_step = Some((at, *duration_ns, *decode_tokens as u64));
             }
-            Fact::HandoffStarted {
-                handoff, request, ..
-            } => {
+            Fact::HandoffStarted { handoff, request, .. } => {
                 if self.handoff_request.insert(*handoff, *request).is_none() {
                     self.handoffs_started += 1;
                 }
@@ -354,9 +316,7 @@ impl MetricsFold {
                     r.handoff = Some(*handoff);
                 }
             }
-            Fact::SourcePinned {
-                handoff, request, ..
-            } => {
+            Fact::SourcePinned { handoff, request, .. } => {
                 self.pin_started.insert(*handoff, at);
                 if let Some(r) = self.in_flight.get_mut(request) {
                     r.source_held_ns.get_or_insert(at);
@@ -365,9 +325,7 @@ impl MetricsFold {
             Fact::ReservationQueued { handoff } => {
                 self.queued_at.entry(*handoff).or_insert(at);
             }
-            Fact::DestinationReserved {
-                handoff, request, ..
-            } => {
+            Fact::DestinationReserved { handoff, request, .. } => {
                 if let Some(q) = self.queued_at.remove(handoff) {
                     self.reservation_wait.add(at.saturating_sub(q));
                 }
@@ -382,11 +340,7 @@ impl MetricsFold {
                 self.queued_at.remove(handoff);
             }
             Fact::DestinationActivated { handoff, .. } => {
-                if let Some(r) = self
-                    .handoff_request
-                    .get(handoff)
-                    .and_then(|q| self.in_flight.get_mut(q))
-                {
+                if let Some(r) = self.handoff_request.get(handoff).and_then(|q| self.in_flight.get_mut(q)) {
                     r.activated_ns.get_or_insert(at);
                 }
             }
@@ -394,23 +348,14 @@ impl MetricsFold {
                 if let Some(p) = self.pin_started.remove(handoff) {
                     self.pin.add(at.saturating_sub(p));
                 }
-                if let Some(r) = self
-                    .handoff_request
-                    .get(handoff)
-                    .and_then(|q| self.in_flight.get_mut(q))
-                {
+                if let Some(r) = self.handoff_request.get(handoff).and_then(|q| self.in_flight.get_mut(q)) {
                     r.released_ns.get_or_insert(at);
                 }
             }
             Fact::LeaseExpired { .. } => self.leases_expired += 1,
             Fact::ReservationExpired { .. } => self.reservations_expired += 1,
             Fact::HandoffCanceled { .. } => self.handoffs_canceled += 1,
-            Fact::RequestFinished {
-                request,
-                status,
-                output_tokens,
-                ..
-            } if role == Role::Router => {
+            Fact::RequestFinished { request, status, output_tokens, .. } if role == Role::Router => {
                 self.finish(*request, *status, *output_tokens, at);
             }
             _ => {}
@@ -488,11 +433,7 @@ impl MetricsFold {
         // Flush pending decode steps: nothing later can change their weight.
         for st in self.streams.values_mut() {
             if let Some((step_at, dur, toks)) = st.pending_step.take() {
-                let firsts = if st.first_tokens_at.0 == step_at {
-                    st.first_tokens_at.1
-                } else {
-                    0
-                };
+                let firsts = if st.first_tokens_at.0 == step_at { st.first_tokens_at.1 } else { 0 };
                 self.itl.add_weighted(dur, toks.saturating_sub(firsts));
             }
         }
@@ -504,10 +445,8 @@ impl MetricsFold {
         let mut pinned_block_seconds = BTreeMap::new();
         for (w, st) in &self.streams {
             if st.role == Some(Role::Prefill) || w.role == Role::Prefill {
-                let open =
-                    st.pinned_blocks as u128 * end.saturating_sub(st.pinned_since_ns) as u128;
-                pinned_block_seconds
-                    .insert(w.to_string(), (st.pinned_block_ns + open) as f64 / 1e9);
+                let open = st.pinned_blocks as u128 * end.saturating_sub(st.pinned_since_ns) as u128;
+                pinned_block_seconds.insert(w.to_string(), (st.pinned_block_ns + open) as f64 / 1e9);
             }
         }
         MetricsReport {

@@ -16,19 +16,9 @@ pub enum ProjectError {
     #[error(transparent)]
     Log(#[from] LogError),
     #[error("{worker} record seq {seq} (t={at_ms:.3} ms): {violation}")]
-    Capacity {
-        worker: WorkerId,
-        seq: u64,
-        at_ms: f64,
-        violation: CapacityViolation,
-    },
+    Capacity { worker: WorkerId, seq: u64, at_ms: f64, violation: CapacityViolation },
     #[error("{worker} record seq {seq} (t={at_ms:.3} ms): {violation}")]
-    View {
-        worker: WorkerId,
-        seq: u64,
-        at_ms: f64,
-        violation: ViewViolation,
-    },
+    View { worker: WorkerId, seq: u64, at_ms: f64, violation: ViewViolation },
 }
 
 /// A peak and when it was first reached.
@@ -85,21 +75,17 @@ pub fn project_capacity(run: &mut RunReader) -> Result<Vec<CapacityRow>, Project
         if d.is_zero() {
             continue;
         }
-        row.last
-            .apply(&d)
-            .map_err(|violation| ProjectError::Capacity {
-                worker: row.worker,
-                seq: rec.seq,
-                at_ms: rec.at_ns as f64 / 1e6,
-                violation,
-            })?;
+        row.last.apply(&d).map_err(|violation| ProjectError::Capacity {
+            worker: row.worker,
+            seq: rec.seq,
+            at_ms: rec.at_ns as f64 / 1e6,
+            violation,
+        })?;
         row.transitions += 1;
         let s = row.last;
         row.peak_active.see(s.active_blocks, rec.at_ns);
-        row.peak_pinned_source
-            .see(s.pinned_source_blocks, rec.at_ns);
-        row.peak_reserved_destination
-            .see(s.reserved_destination_blocks, rec.at_ns);
+        row.peak_pinned_source.see(s.pinned_source_blocks, rec.at_ns);
+        row.peak_reserved_destination.see(s.reserved_destination_blocks, rec.at_ns);
         row.peak_kv_used.see(s.kv_used_blocks(), rec.at_ns);
     }
     Ok(rows.into_iter().flatten().collect())
@@ -116,23 +102,19 @@ pub fn project_handoffs(run: &mut RunReader) -> Result<HandoffLedger, ProjectErr
 }
 
 /// Every engine stream's final scheduler view.
-pub fn project_scheduler(
-    run: &mut RunReader,
-) -> Result<BTreeMap<WorkerId, SchedulerView>, ProjectError> {
+pub fn project_scheduler(run: &mut RunReader) -> Result<BTreeMap<WorkerId, SchedulerView>, ProjectError> {
     let workers: Vec<WorkerId> = run.headers().iter().map(|h| h.worker).collect();
     let mut folds: Vec<SchedulerFold> = workers.iter().map(|_| SchedulerFold::new()).collect();
     while let Some((i, rec)) = run.next()? {
         if workers[i].role == Role::Router {
             continue;
         }
-        folds[i]
-            .apply(&rec.fact)
-            .map_err(|violation| ProjectError::View {
-                worker: workers[i],
-                seq: rec.seq,
-                at_ms: rec.at_ns as f64 / 1e6,
-                violation,
-            })?;
+        folds[i].apply(&rec.fact).map_err(|violation| ProjectError::View {
+            worker: workers[i],
+            seq: rec.seq,
+            at_ms: rec.at_ns as f64 / 1e6,
+            violation,
+        })?;
     }
     Ok(workers
         .into_iter()

@@ -44,11 +44,7 @@ impl SchedulerFold {
     }
 
     pub fn view(&self) -> SchedulerView {
-        let running = self
-            .requests
-            .values()
-            .filter(|p| **p == Phase::Running)
-            .count() as u64;
+        let running = self.requests.values().filter(|p| **p == Phase::Running).count() as u64;
         SchedulerView {
             waiting: self.requests.len() as u64 - running,
             running,
@@ -77,9 +73,7 @@ impl SchedulerFold {
             Fact::RequestFinished { request, .. } | Fact::RequestRejected { request, .. } => {
                 self.requests.remove(request);
             }
-            Fact::SourcePinned {
-                handoff, request, ..
-            } => {
+            Fact::SourcePinned { handoff, request, .. } => {
                 if self.requests.remove(request) != Some(Phase::Running) {
                     return err(format!("{request} pinned while not running"));
                 }
@@ -102,9 +96,7 @@ impl SchedulerFold {
                     return err(format!("handoff {handoff} dequeued but not pending"));
                 }
             }
-            Fact::DestinationReserved {
-                handoff, request, ..
-            } => {
+            Fact::DestinationReserved { handoff, request, .. } => {
                 self.pending.remove(handoff);
                 if self.reserved.insert(*handoff, *request).is_some() {
                     return err(format!("handoff {handoff} reserved twice"));
@@ -120,9 +112,7 @@ impl SchedulerFold {
             },
             Fact::ReservationReleased { handoff, .. } => {
                 if self.reserved.remove(handoff).is_none() {
-                    return err(format!(
-                        "handoff {handoff} reservation released but not held"
-                    ));
+                    return err(format!("handoff {handoff} reservation released but not held"));
                 }
             }
             _ => {}

@@ -14,14 +14,15 @@
 
 pub mod perf;
 pub mod request;
+pub mod sglang;
+pub mod vllm;
 
 pub use perf::{PolynomialTiming, StepShape, TimingModel};
 pub use request::Request;
 
 use crate::events::{EngineShape, Fact, RejectReason, TerminalStatus};
 use crate::ids::{
-    CancelReason, DestinationReservationId, EndReason, HandoffId, RequestId, SourceLeaseId,
-    WorkerId,
+    CancelReason, DestinationReservationId, EndReason, HandoffId, RequestId, SourceLeaseId, WorkerId,
 };
 use crate::projections::capacity::KvCapacitySnapshot;
 
@@ -31,16 +32,9 @@ pub enum EngineOutput {
     /// The request produced its first output token.
     FirstToken { request: RequestId },
     /// The request ended on this engine.
-    Finished {
-        request: RequestId,
-        status: TerminalStatus,
-        output_tokens: u32,
-    },
+    Finished { request: RequestId, status: TerminalStatus, output_tokens: u32 },
     /// The engine refused the request without running it.
-    Rejected {
-        request: RequestId,
-        reason: RejectReason,
-    },
+    Rejected { request: RequestId, reason: RejectReason },
     /// A handoff prefill finished and its KV is pinned for the handoff (one atomic transition:
     /// this output and the `SourcePinned` fact come from the same step).
     SourcePinned {
@@ -57,10 +51,7 @@ pub enum EngineOutput {
         summary: ReservationSummary,
     },
     /// A pending reservation can never succeed here; the handoff must fail.
-    ReservationFailed {
-        handoff: HandoffId,
-        reason: RejectReason,
-    },
+    ReservationFailed { handoff: HandoffId, reason: RejectReason },
 }
 
 /// What a destination reservation holds, and what the transfer must carry.
@@ -107,26 +98,15 @@ pub enum CommandOutcome {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum CommandError {
     #[error("{backend} does not support {what}")]
-    Unsupported {
-        backend: &'static str,
-        what: &'static str,
-    },
+    Unsupported { backend: &'static str, what: &'static str },
     #[error("request {request} needs {needed_blocks} blocks but the worker has {total_blocks}")]
-    NeverFits {
-        request: RequestId,
-        needed_blocks: u64,
-        total_blocks: u64,
-    },
+    NeverFits { request: RequestId, needed_blocks: u64, total_blocks: u64 },
     #[error("handoff {0} is already registered on this core")]
     DuplicateHandoff(HandoffId),
     #[error("handoff {0} is not known to this core")]
     UnknownHandoff(HandoffId),
     #[error("handoff {handoff}: cannot {command} while {state}")]
-    InvalidState {
-        handoff: HandoffId,
-        command: &'static str,
-        state: &'static str,
-    },
+    InvalidState { handoff: HandoffId, command: &'static str, state: &'static str },
 }
 
 /// A command's outcome plus what it caused (facts are emitted even when it fails, e.g. a
@@ -191,29 +171,14 @@ pub trait EngineCore {
     fn activate_destination(&mut self, handoff: HandoffId, at_ns: u64) -> CommandResult;
 
     /// End a source pin (`Success` on reader completion, `Expired` on lease expiry).
-    fn release_source(
-        &mut self,
-        handoff: HandoffId,
-        reason: EndReason,
-        at_ns: u64,
-    ) -> CommandResult;
+    fn release_source(&mut self, handoff: HandoffId, reason: EndReason, at_ns: u64) -> CommandResult;
 
     /// Cancel a handoff prefill in any phase: queued, computing, or pinned.
-    fn cancel_source(
-        &mut self,
-        handoff: HandoffId,
-        reason: CancelReason,
-        at_ns: u64,
-    ) -> CommandResult;
+    fn cancel_source(&mut self, handoff: HandoffId, reason: CancelReason, at_ns: u64) -> CommandResult;
 
     /// Cancel a destination in any phase: pending, reserved, or activated (then the request is
     /// aborted like any running request).
-    fn cancel_destination(
-        &mut self,
-        handoff: HandoffId,
-        reason: CancelReason,
-        at_ns: u64,
-    ) -> CommandResult;
+    fn cancel_destination(&mut self, handoff: HandoffId, reason: CancelReason, at_ns: u64) -> CommandResult;
 
     /// Run one scheduling step at `at_ns`.
     fn step(&mut self, at_ns: u64) -> StepOutput;

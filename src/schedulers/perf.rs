@@ -41,10 +41,7 @@ fn one() -> f64 {
 
 impl Default for PolynomialTiming {
     fn default() -> Self {
-        PolynomialTiming {
-            prefill_speedup: 1.0,
-            decode_speedup: 1.0,
-        }
+        PolynomialTiming { prefill_speedup: 1.0, decode_speedup: 1.0 }
     }
 }
 
@@ -86,16 +83,10 @@ mod tests {
         let m = PolynomialTiming::default();
         assert_eq!(m.prefill_ms(0), 0.0);
         let p4k = m.prefill_ms(4096);
-        assert!(
-            (p4k - (4.209989e-7 * 4096.0f64.powi(2) + 1.518344e-2 * 4096.0 + 16.50142)).abs()
-                < 1e-9
-        );
+        assert!((p4k - (4.209989e-7 * 4096.0f64.powi(2) + 1.518344e-2 * 4096.0 + 16.50142)).abs() < 1e-9);
         assert!((m.decode_ms(0, 100) - 5.74).abs() < 1e-9);
         assert!((m.decode_ms(50, 100) - (-25.74 * 0.25 + 54.01 * 0.5 + 5.74)).abs() < 1e-9);
-        let fast = PolynomialTiming {
-            prefill_speedup: 2.0,
-            decode_speedup: 4.0,
-        };
+        let fast = PolynomialTiming { prefill_speedup: 2.0, decode_speedup: 4.0 };
         assert!((fast.prefill_ms(4096) - p4k / 2.0).abs() < 1e-9);
         let ns = m.step_ns(&StepShape {
             prefill_tokens: 0,

@@ -33,9 +33,7 @@ impl Request {
     pub fn unique(id: RequestId, input_tokens: u32, output_tokens: u32, arrival_ns: u64) -> Self {
         let n = input_tokens.div_ceil(TRACE_BLOCK_SIZE).max(1) as u64;
         // Content ids in a namespace of their own (high bit set) keyed by the request id.
-        let blocks: Vec<u64> = (0..n)
-            .map(|i| mix(0x8000_0000_0000_0000 | id.0, i) | (1 << 63))
-            .collect();
+        let blocks: Vec<u64> = (0..n).map(|i| mix(0x8000_0000_0000_0000 | id.0, i) | (1 << 63)).collect();
         Request {
             id,
             input_tokens,
@@ -95,10 +93,7 @@ pub fn chain(parent: BlockHash, content: u64) -> BlockHash {
 /// A decode-generated block's hash: content unique to the request and position, chained on the
 /// prompt so a prefix-sharing request never matches it by accident.
 pub fn decode_block_hash(parent: BlockHash, request: RequestId, block_index: u32) -> BlockHash {
-    chain(
-        parent,
-        mix(request.0 ^ 0xd6e8_feb8_6659_fd93, block_index as u64),
-    )
+    chain(parent, mix(request.0 ^ 0xd6e8_feb8_6659_fd93, block_index as u64))
 }
 
 /// A fixed, platform-independent 64-bit mixer (splitmix64's finalizer over a combined word).
@@ -133,11 +128,7 @@ mod tests {
         let hb = b.prompt_block_hashes(64);
         assert_eq!(ha.len(), 20);
         assert_eq!(hb.len(), 23);
-        assert_eq!(
-            ha[..16],
-            hb[..16],
-            "two shared trace blocks = 16 engine blocks"
-        );
+        assert_eq!(ha[..16], hb[..16], "two shared trace blocks = 16 engine blocks");
         assert_ne!(ha[16], hb[16]);
     }
 
@@ -147,10 +138,7 @@ mod tests {
         let b = req(2, 1024, &[6, 6]);
         let ha = a.prompt_block_hashes(512);
         let hb = b.prompt_block_hashes(512);
-        assert_ne!(
-            ha[1], hb[1],
-            "same content under a different parent differs"
-        );
+        assert_ne!(ha[1], hb[1], "same content under a different parent differs");
     }
 
     #[test]

@@ -3,8 +3,7 @@
 #![allow(dead_code)]
 
 use handoff_ledger::events::{
-    EngineShape, Fact, KvDelta, MessageKind, MessageRejection, RejectReason, StreamHeader,
-    TerminalStatus,
+    EngineShape, Fact, KvDelta, MessageKind, MessageRejection, RejectReason, StreamHeader, TerminalStatus,
 };
 use handoff_ledger::ids::{
     Backend, CancelReason, ClockDomain, DestinationReservationId, EndReason, Generation, HandoffId,
@@ -88,11 +87,7 @@ pub fn role() -> impl Strategy<Value = Role> {
     prop_oneof![Just(Role::Prefill), Just(Role::Decode), Just(Role::Aggregated), Just(Role::Router)]
 }
 pub fn worker() -> impl Strategy<Value = WorkerId> {
-    (role(), any::<u32>(), any::<u32>()).prop_map(|(role, index, dp_rank)| WorkerId {
-        role,
-        index,
-        dp_rank,
-    })
+    (role(), any::<u32>(), any::<u32>()).prop_map(|(role, index, dp_rank)| WorkerId { role, index, dp_rank })
 }
 pub fn kv() -> impl Strategy<Value = KvDelta> {
     (any::<[i32; 7]>()).prop_map(|a| KvDelta {
@@ -152,11 +147,7 @@ pub fn cancel() -> impl Strategy<Value = CancelReason> {
     ]
 }
 pub fn end() -> impl Strategy<Value = EndReason> {
-    prop_oneof![
-        Just(EndReason::Success),
-        Just(EndReason::Expired),
-        cancel().prop_map(EndReason::Canceled),
-    ]
+    prop_oneof![Just(EndReason::Success), Just(EndReason::Expired), cancel().prop_map(EndReason::Canceled),]
 }
 pub fn policy() -> impl Strategy<Value = HandoffPolicy> {
     prop_oneof![
@@ -166,10 +157,8 @@ pub fn policy() -> impl Strategy<Value = HandoffPolicy> {
     ]
 }
 pub fn demand() -> impl Strategy<Value = KvHandoffDemand> {
-    (any::<u32>(), any::<u32>()).prop_map(|(context_tokens, max_output_tokens)| KvHandoffDemand {
-        context_tokens,
-        max_output_tokens,
-    })
+    (any::<u32>(), any::<u32>())
+        .prop_map(|(context_tokens, max_output_tokens)| KvHandoffDemand { context_tokens, max_output_tokens })
 }
 pub fn hashes() -> impl Strategy<Value = Vec<u64>> {
     prop::collection::vec(any::<u64>(), 0..24)
@@ -180,25 +169,17 @@ pub fn fact() -> impl Strategy<Value = Fact> {
     use Fact::*;
     prop_oneof![
         generation().prop_map(|generation| SessionStarted { generation }),
-        (request(), any::<u32>(), any::<u32>()).prop_map(
-            |(request, input_tokens, output_tokens)| {
-                RequestArrived { request, input_tokens, output_tokens }
-            }
-        ),
-        request().prop_map(|request| RequestQueued { request }),
-        (request(), any::<u32>(), kv()).prop_map(|(request, cached_tokens, kv)| {
-            RequestScheduled { request, cached_tokens, kv }
+        (request(), any::<u32>(), any::<u32>()).prop_map(|(request, input_tokens, output_tokens)| {
+            RequestArrived { request, input_tokens, output_tokens }
         }),
+        request().prop_map(|request| RequestQueued { request }),
+        (request(), any::<u32>(), kv())
+            .prop_map(|(request, cached_tokens, kv)| { RequestScheduled { request, cached_tokens, kv } }),
         request().prop_map(|request| FirstTokenEmitted { request }),
         (request(), kv()).prop_map(|(request, kv)| RequestPreempted { request, kv }),
-        (request(), status(), any::<u32>(), kv()).prop_map(
-            |(request, status, output_tokens, kv)| RequestFinished {
-                request,
-                status,
-                output_tokens,
-                kv
-            }
-        ),
+        (request(), status(), any::<u32>(), kv()).prop_map(|(request, status, output_tokens, kv)| {
+            RequestFinished { request, status, output_tokens, kv }
+        }),
         (request(), reject()).prop_map(|(request, reason)| RequestRejected { request, reason }),
         (any::<u32>(), any::<u32>(), any::<u32>(), any::<u64>(), kv()).prop_map(
             |(prefill_tokens, decode_tokens, batch_size, duration_ns, kv)| StepExecuted {
@@ -213,14 +194,9 @@ pub fn fact() -> impl Strategy<Value = Fact> {
         (any::<Option<u64>>(), hashes()).prop_map(|(parent, blocks)| KvStored { parent, blocks }),
         hashes().prop_map(|blocks| KvRemoved { blocks }),
         Just(KvCleared),
-        (handoff(), request(), policy(), demand()).prop_map(
-            |(handoff, request, policy, demand)| HandoffStarted {
-                handoff,
-                request,
-                policy,
-                demand
-            }
-        ),
+        (handoff(), request(), policy(), demand()).prop_map(|(handoff, request, policy, demand)| {
+            HandoffStarted { handoff, request, policy, demand }
+        }),
         handoff().prop_map(|handoff| PrefillDispatched { handoff }),
         (handoff(), request(), lease(), any::<u32>(), any::<u64>(), kv()).prop_map(
             |(handoff, request, lease, blocks, deadline_ns, kv)| SourcePinned {
@@ -232,14 +208,12 @@ pub fn fact() -> impl Strategy<Value = Fact> {
                 kv
             }
         ),
-        (handoff(), lease(), any::<u64>()).prop_map(|(handoff, lease, deadline_ns)| {
-            LeaseRenewed { handoff, lease, deadline_ns }
-        }),
+        (handoff(), lease(), any::<u64>())
+            .prop_map(|(handoff, lease, deadline_ns)| { LeaseRenewed { handoff, lease, deadline_ns } }),
         (handoff(), lease()).prop_map(|(handoff, lease)| LeaseExpired { handoff, lease }),
         handoff().prop_map(|handoff| ReaderCompleted { handoff }),
-        (handoff(), lease(), end(), kv()).prop_map(|(handoff, lease, reason, kv)| {
-            SourceReleased { handoff, lease, reason, kv }
-        }),
+        (handoff(), lease(), end(), kv())
+            .prop_map(|(handoff, lease, reason, kv)| { SourceReleased { handoff, lease, reason, kv } }),
         (handoff(), worker()).prop_map(|(handoff, worker)| DestinationRouted { handoff, worker }),
         handoff().prop_map(|handoff| ReservationQueued { handoff }),
         (handoff(), reject()).prop_map(|(handoff, reason)| ReservationRefused { handoff, reason }),
@@ -264,31 +238,20 @@ pub fn fact() -> impl Strategy<Value = Fact> {
             bytes
         }),
         handoff().prop_map(|handoff| ReceiveCompleted { handoff }),
-        (handoff(), reservation(), kv()).prop_map(|(handoff, reservation, kv)| {
-            DestinationActivated { handoff, reservation, kv }
-        }),
+        (handoff(), reservation(), kv())
+            .prop_map(|(handoff, reservation, kv)| { DestinationActivated { handoff, reservation, kv } }),
         (handoff(), reservation())
             .prop_map(|(handoff, reservation)| ReservationExpired { handoff, reservation }),
         (handoff(), reservation(), end(), kv()).prop_map(|(handoff, reservation, reason, kv)| {
             ReservationReleased { handoff, reservation, reason, kv }
         }),
         (handoff(), cancel()).prop_map(|(handoff, reason)| HandoffCanceled { handoff, reason }),
-        (handoff(), kind(), worker()).prop_map(|(handoff, kind, to)| MessageSent {
-            handoff,
-            kind,
-            to
+        (handoff(), kind(), worker()).prop_map(|(handoff, kind, to)| MessageSent { handoff, kind, to }),
+        (handoff(), kind(), worker(), generation()).prop_map(|(handoff, kind, from, generation)| {
+            MessageReceived { handoff, kind, from, generation }
         }),
-        (handoff(), kind(), worker(), generation()).prop_map(
-            |(handoff, kind, from, generation)| MessageReceived { handoff, kind, from, generation }
-        ),
         (handoff(), kind(), worker(), generation(), rejection()).prop_map(
-            |(handoff, kind, from, generation, why)| MessageRejected {
-                handoff,
-                kind,
-                from,
-                generation,
-                why
-            }
+            |(handoff, kind, from, generation, why)| MessageRejected { handoff, kind, from, generation, why }
         ),
         (request(), worker(), any::<u32>(), any::<u32>()).prop_map(
             |(request, worker, prefill_tokens, blocks)| PrefillBooked {
@@ -305,9 +268,8 @@ pub fn fact() -> impl Strategy<Value = Fact> {
             worker,
             blocks
         }),
-        (request(), worker(), status()).prop_map(|(request, worker, status)| {
-            DecodeBookingFreed { request, worker, status }
-        }),
+        (request(), worker(), status())
+            .prop_map(|(request, worker, status)| { DecodeBookingFreed { request, worker, status } }),
     ]
 }
 
@@ -408,14 +370,7 @@ pub fn golden_facts() -> Vec<(u64, Fact)> {
         (0, SessionStarted { generation: Generation(3) }),
         (10, RequestArrived { request: r, input_tokens: 1024, output_tokens: 128 }),
         (20, RequestQueued { request: r }),
-        (
-            30,
-            RequestScheduled {
-                request: r,
-                cached_tokens: 256,
-                kv: kvd([48, 0, 0, -16, -32, 1, 0]),
-            },
-        ),
+        (30, RequestScheduled { request: r, cached_tokens: 256, kv: kvd([48, 0, 0, -16, -32, 1, 0]) }),
         (40, FirstTokenEmitted { request: r }),
         (50, RequestPreempted { request: RequestId(8), kv: kvd([-5, 0, 0, 5, 0, -1, 0]) }),
         (

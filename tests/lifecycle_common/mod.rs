@@ -3,8 +3,7 @@
 
 use handoff_ledger::events::Fact;
 use handoff_ledger::ids::{
-    CancelReason, Generation, HandoffId, HandoffPolicy, IdMint, KvHandoffDemand, RequestId,
-    WorkerId,
+    CancelReason, Generation, HandoffId, HandoffPolicy, IdMint, KvHandoffDemand, RequestId, WorkerId,
 };
 use handoff_ledger::lifecycle::{
     DestinationConfig, DestinationHandoff, DestinationInit, SourceConfig, SourceHandoff, SourceInit,
@@ -28,10 +27,7 @@ pub fn handoff_id(seed: u64) -> HandoffId {
 }
 
 pub fn demand() -> KvHandoffDemand {
-    KvHandoffDemand {
-        context_tokens: PROMPT_TOKENS,
-        max_output_tokens: 128,
-    }
+    KvHandoffDemand { context_tokens: PROMPT_TOKENS, max_output_tokens: 128 }
 }
 
 pub fn source(
@@ -49,10 +45,7 @@ pub fn source(
         generation: Generation(3),
         destination,
         destination_generation,
-        config: SourceConfig {
-            lease_ns: LEASE_NS,
-            renew_ns: RENEW_NS,
-        },
+        config: SourceConfig { lease_ns: LEASE_NS, renew_ns: RENEW_NS },
     })
     .expect("enabled policy")
 }
@@ -72,10 +65,7 @@ pub fn destination(
         generation: Generation(5),
         source,
         source_generation,
-        config: DestinationConfig {
-            reservation_ns: RESERVATION_NS,
-            kv_bytes_per_token: KV_BYTES_PER_TOKEN,
-        },
+        config: DestinationConfig { reservation_ns: RESERVATION_NS, kv_bytes_per_token: KV_BYTES_PER_TOKEN },
     })
     .expect("enabled policy")
 }

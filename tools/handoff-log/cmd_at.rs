@@ -33,8 +33,8 @@ pub fn run(log: &Path, time: &str, json: bool) -> Result<u8, CliError> {
     p.done();
     let mut out = Out::new();
     if json {
-        let v = serde_json::to_string(&report)
-            .map_err(|e| CliError::new(2, format!("encoding JSON: {e}")))?;
+        let v =
+            serde_json::to_string(&report).map_err(|e| CliError::new(2, format!("encoding JSON: {e}")))?;
         out.line(&v)?;
     } else {
         out.line(&table(&report))?;
@@ -102,8 +102,5 @@ fn table(r: &AtReport) -> String {
         }
         t.add_row(row);
     }
-    format!(
-        "at t = {:.3} ms ({} records applied)\n{t}",
-        r.time_ms, r.records_applied
-    )
+    format!("at t = {:.3} ms ({} records applied)\n{t}", r.time_ms, r.records_applied)
 }

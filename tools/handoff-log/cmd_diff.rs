@@ -22,18 +22,14 @@ pub fn run(
             format!("--timing-tolerance {timing_tolerance_pct}: must be a non-negative percent"),
         ));
     }
-    let opts = DiffOptions {
-        timing_tolerance_pct,
-        strict_timing,
-        ..DiffOptions::default()
-    };
+    let opts = DiffOptions { timing_tolerance_pct, strict_timing, ..DiffOptions::default() };
     let p = Progress::new("comparing");
     let report = diff_runs(a, b, &opts, &mut |n| p.set(n))?;
     p.done();
     let mut out = Out::new();
     if json {
-        let v = serde_json::to_string(&report)
-            .map_err(|e| CliError::new(2, format!("encoding JSON: {e}")))?;
+        let v =
+            serde_json::to_string(&report).map_err(|e| CliError::new(2, format!("encoding JSON: {e}")))?;
         out.line(&v)?;
     } else {
         for line in text(&report) {
@@ -46,13 +42,7 @@ pub fn run(
 
 fn loc(l: &Option<Location>) -> String {
     match l {
-        Some(l) => format!(
-            "{} seq {} ({}, t={:.3} ms)",
-            l.worker,
-            l.seq,
-            l.fact,
-            l.at_ns as f64 / 1e6
-        ),
+        Some(l) => format!("{} seq {} ({}, t={:.3} ms)", l.worker, l.seq, l.fact, l.at_ns as f64 / 1e6),
         None => "-".into(),
     }
 }
@@ -62,22 +52,14 @@ pub fn text(r: &DiffReport) -> Vec<String> {
     let mut lines = Vec::new();
     lines.push(format!(
         "{}: A = {}, B = {}",
-        if r.equivalent {
-            "EQUIVALENT"
-        } else {
-            "DIFFERENT"
-        },
+        if r.equivalent { "EQUIVALENT" } else { "DIFFERENT" },
         r.a.display(),
         r.b.display()
     ));
     if let Some(f) = &r.first {
         let d = &f.difference;
         lines.push(String::new());
-        lines.push(format!(
-            "first divergence: {} on {}",
-            d.kind.as_str(),
-            d.subject
-        ));
+        lines.push(format!("first divergence: {} on {}", d.kind.as_str(), d.subject));
         lines.push(format!("  A: {}", loc(&d.a)));
         lines.push(format!("  B: {}", loc(&d.b)));
         lines.push(format!("  {}", d.detail));
@@ -92,10 +74,7 @@ pub fn text(r: &DiffReport) -> Vec<String> {
             }
             for c in ctx {
                 let mark = if c.divergent { ">>" } else { "  " };
-                lines.push(format!(
-                    "  {side}:{mark} {}",
-                    text_line(c.worker, &c.record)
-                ));
+                lines.push(format!("  {side}:{mark} {}", text_line(c.worker, &c.record)));
             }
         }
     }
@@ -108,11 +87,7 @@ pub fn text(r: &DiffReport) -> Vec<String> {
         let (label, fails) = if k == DiffKind::Timing {
             (
                 format!("{} (±{}%)", k.as_str(), r.timing.tolerance_pct),
-                if r.strict_timing {
-                    "yes"
-                } else {
-                    "no (reported)"
-                },
+                if r.strict_timing { "yes" } else { "no (reported)" },
             )
         } else {
             (k.as_str().to_string(), "yes")

@@ -77,11 +77,7 @@ pub fn run(run: &Path, json: bool) -> Result<u8, CliError> {
             meta.records,
             meta.workers.len(),
             meta.checkpoints.iter().sum::<u64>(),
-            if meta.all_monotone() {
-                "yes"
-            } else {
-                "no (at reads to the end of each file)"
-            }
+            if meta.all_monotone() { "yes" } else { "no (at reads to the end of each file)" }
         ))?;
     }
     out.flush()?;
@@ -142,8 +138,7 @@ pub fn indexed_show(
     let Some(seg) = layout.segments.iter().find(|s| s.streams.contains(&stream)) else {
         return Ok(false);
     };
-    let mut r =
-        SegmentReader::open_at(seg, seg.data_start, vec![0; workers.len()])?.only_stream(stream);
+    let mut r = SegmentReader::open_at(seg, seg.data_start, vec![0; workers.len()])?.only_stream(stream);
     while let Some((_, rec)) = r.next_record()? {
         if !emit(w, &rec)? {
             break;

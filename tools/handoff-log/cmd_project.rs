@@ -93,11 +93,7 @@ pub fn run(log: &Path, what: Projection, json_out: bool) -> Result<u8, CliError>
                         s.total_blocks.to_string(),
                         s.request_slots_used.to_string(),
                         s.decode_headroom_tokens.to_string(),
-                        format!(
-                            "{} ({})",
-                            r.peak_pinned_source.blocks,
-                            ms(r.peak_pinned_source.at_ns)
-                        ),
+                        format!("{} ({})", r.peak_pinned_source.blocks, ms(r.peak_pinned_source.at_ns)),
                         r.peak_kv_used.blocks.to_string(),
                     ]);
                 }
@@ -165,10 +161,7 @@ pub fn run(log: &Path, what: Projection, json_out: bool) -> Result<u8, CliError>
         Projection::Scheduler => {
             let views = project_scheduler(&mut run)?;
             if json_out {
-                let ws: Vec<_> = views
-                    .iter()
-                    .map(|(w, v)| json!({"worker": w, "view": v}))
-                    .collect();
+                let ws: Vec<_> = views.iter().map(|(w, v)| json!({"worker": w, "view": v})).collect();
                 out.line(&json!({ "workers": ws }).to_string())?;
             } else {
                 let mut t = Table::new();

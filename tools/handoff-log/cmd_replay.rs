@@ -87,9 +87,7 @@ fn parse_policy(s: &str) -> Result<HandoffPolicy, String> {
         "source-first" => Ok(HandoffPolicy::SourceFirst),
         "destination-first" => Ok(HandoffPolicy::DestinationFirst),
         "disabled" => Ok(HandoffPolicy::Disabled),
-        o => Err(format!(
-            "unknown policy `{o}` (source-first, destination-first, disabled)"
-        )),
+        o => Err(format!("unknown policy `{o}` (source-first, destination-first, disabled)")),
     }
 }
 
@@ -140,12 +138,8 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
             }
         }
     }
-    let opts = TraceOptions {
-        format: a.trace_format,
-        speedup: cfg.arrival_speedup,
-    };
-    let file = File::open(&a.trace)
-        .map_err(|e| CliError::new(2, format!("{}: {e}", a.trace.display())))?;
+    let opts = TraceOptions { format: a.trace_format, speedup: cfg.arrival_speedup };
+    let file = File::open(&a.trace).map_err(|e| CliError::new(2, format!("{}: {e}", a.trace.display())))?;
     let reader: Box<dyn BufRead> = Box::new(BufReader::with_capacity(1 << 20, file));
     let trace = TraceReader::new(reader, &a.trace, opts)?;
 
@@ -153,8 +147,7 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
     let sink_err: Rc<RefCell<Option<std::io::Error>>> = Rc::new(RefCell::new(None));
     let per_request: Option<Box<dyn FnMut(&PerRequest)>> = match &a.per_request {
         Some(p) => {
-            let f =
-                File::create(p).map_err(|e| CliError::new(2, format!("{}: {e}", p.display())))?;
+            let f = File::create(p).map_err(|e| CliError::new(2, format!("{}: {e}", p.display())))?;
             let mut w = BufWriter::new(f);
             let err = sink_err.clone();
             Some(Box::new(move |r: &PerRequest| {
@@ -162,10 +155,8 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
                     return;
                 }
                 let line = serde_json::to_string(r).unwrap_or_default();
-                if let Err(e) = w
-                    .write_all(line.as_bytes())
-                    .and_then(|_| w.write_all(b"\n"))
-                    .and_then(|_| w.flush())
+                if let Err(e) =
+                    w.write_all(line.as_bytes()).and_then(|_| w.write_all(b"\n")).and_then(|_| w.flush())
                 {
                     *err.borrow_mut() = Some(e);
                 }
@@ -186,10 +177,7 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
     };
     let mut progress = |arrived: u64, now_ns: u64| {
         if let Some(b) = &bar {
-            b.set_message(format!(
-                "{arrived} requests arrived, t = {:.1} s (virtual)",
-                now_ns as f64 / 1e9
-            ));
+            b.set_message(format!("{arrived} requests arrived, t = {:.1} s (virtual)", now_ns as f64 / 1e9));
             b.tick();
         }
     };
@@ -212,8 +200,7 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
     }
     if let Some(p) = &a.report_json {
         let text = serde_json::to_string_pretty(&json).unwrap_or_default();
-        std::fs::write(p, text + "\n")
-            .map_err(|e| CliError::new(2, format!("{}: {e}", p.display())))?;
+        std::fs::write(p, text + "\n").map_err(|e| CliError::new(2, format!("{}: {e}", p.display())))?;
     }
     let mut out = Out::new();
     if a.json {
@@ -229,10 +216,7 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
     }
     out.flush()?;
     if !outcome.drained {
-        eprintln!(
-            "handoff-log: the run did not drain; {} things are stuck:",
-            outcome.stuck.len()
-        );
+        eprintln!("handoff-log: the run did not drain; {} things are stuck:", outcome.stuck.len());
         for s in outcome.stuck.iter().take(50) {
             eprintln!("  {s}");
         }

@@ -16,16 +16,11 @@ pub fn run(
 ) -> Result<u8, CliError> {
     let handoff: Option<HandoffId> = handoff
         .map(|h| {
-            h.parse().map_err(|e| {
-                CliError::new(2, format!("--handoff {h}: not a HandoffId (UUID): {e}"))
-            })
+            h.parse().map_err(|e| CliError::new(2, format!("--handoff {h}: not a HandoffId (UUID): {e}")))
         })
         .transpose()?;
     let worker: Option<WorkerId> = worker
-        .map(|w| {
-            w.parse()
-                .map_err(|e: String| CliError::new(2, format!("--worker: {e}")))
-        })
+        .map(|w| w.parse().map_err(|e: String| CliError::new(2, format!("--worker: {e}"))))
         .transpose()?;
     let mut run = RunReader::open(log)?;
     let workers: Vec<WorkerId> = run.headers().iter().map(|h| h.worker).collect();
@@ -34,20 +29,13 @@ pub fn run(
             let known: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
             return Err(CliError::new(
                 2,
-                format!(
-                    "--worker {w}: no such stream in {} (streams: {})",
-                    log.display(),
-                    known.join(", ")
-                ),
+                format!("--worker {w}: no such stream in {} (streams: {})", log.display(), known.join(", ")),
             ));
         }
     }
     let mut out = Out::new();
     if !json_out {
-        out.line(&format!(
-            "{:>14} {:<10} {:>8} {:<20} DETAILS",
-            "AT_MS", "WORKER", "SEQ", "FACT"
-        ))?;
+        out.line(&format!("{:>14} {:<10} {:>8} {:<20} DETAILS", "AT_MS", "WORKER", "SEQ", "FACT"))?;
     }
     let mut shown = 0u64;
     // With an index beside the run, the filtered records are fetched by offset.
@@ -69,19 +57,14 @@ pub fn run(
     }
     while let Some((i, rec)) = run.next()? {
         let w = workers[i];
-        if worker.is_some_and(|x| x != w) || handoff.is_some_and(|h| rec.fact.handoff() != Some(h))
-        {
+        if worker.is_some_and(|x| x != w) || handoff.is_some_and(|h| rec.fact.handoff() != Some(h)) {
             continue;
         }
         if limit.is_some_and(|l| shown >= l) {
             break;
         }
         shown += 1;
-        out.line(&if json_out {
-            json_line(w, &rec)
-        } else {
-            text_line(w, &rec)
-        })?;
+        out.line(&if json_out { json_line(w, &rec) } else { text_line(w, &rec) })?;
     }
     out.flush()?;
     Ok(0)

@@ -4,6 +4,7 @@ mod cmd_at;
 mod cmd_diff;
 mod cmd_index;
 mod cmd_project;
+mod cmd_replay;
 mod cmd_show;
 mod cmd_verify;
 mod out;
@@ -54,6 +55,7 @@ enum Command {
     },
     /// Replay a trace through a simulated disaggregated (or aggregated) cluster; print the
     /// serving report and write one fact stream per worker to `--out`.
+    Replay(cmd_replay::ReplayArgs),
     /// Write a run directory as one merged file (records in merge order).
     Merge {
         /// A run directory (or any run).
@@ -130,10 +132,7 @@ pub struct CliError {
 
 impl CliError {
     pub fn new(code: u8, message: impl Into<String>) -> Self {
-        CliError {
-            code,
-            message: message.into(),
-        }
+        CliError { code, message: message.into() }
     }
 }
 
@@ -147,23 +146,16 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Verify { logs, json } => cmd_verify::run(&logs, json),
-        Command::Show {
-            log,
-            handoff,
-            worker,
-            limit,
-            json,
-        } => cmd_show::run(&log, handoff.as_deref(), worker.as_deref(), limit, json),
+        Command::Show { log, handoff, worker, limit, json } => {
+            cmd_show::run(&log, handoff.as_deref(), worker.as_deref(), limit, json)
+        }
         Command::Project { log, what, json } => cmd_project::run(&log, what, json),
         Command::Merge { run, out } => cmd_verify::merge(&run, &out),
         Command::Recover { run } => cmd_verify::recover(&run),
-        Command::Diff {
-            a,
-            b,
-            json,
-            timing_tolerance,
-            strict_timing,
-        } => cmd_diff::run(&a, &b, json, timing_tolerance, strict_timing),
+        Command::Replay(args) => cmd_replay::run(args),
+        Command::Diff { a, b, json, timing_tolerance, strict_timing } => {
+            cmd_diff::run(&a, &b, json, timing_tolerance, strict_timing)
+        }
         Command::At { log, time, json } => cmd_at::run(&log, &time, json),
         Command::Index { log, json } => cmd_index::run(&log, json),
     };

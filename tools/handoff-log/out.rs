@@ -9,16 +9,11 @@ pub struct Out {
 
 impl Out {
     pub fn new() -> Self {
-        Out {
-            w: BufWriter::with_capacity(1 << 16, std::io::stdout()),
-        }
+        Out { w: BufWriter::with_capacity(1 << 16, std::io::stdout()) }
     }
 
     pub fn line(&mut self, s: &str) -> Result<(), CliError> {
-        self.w
-            .write_all(s.as_bytes())
-            .and_then(|_| self.w.write_all(b"\n"))
-            .map_err(map)
+        self.w.write_all(s.as_bytes()).and_then(|_| self.w.write_all(b"\n")).map_err(map)
     }
 
     pub fn flush(&mut self) -> Result<(), CliError> {

@@ -25,25 +25,16 @@ pub fn table(r: &MetricsReport) -> String {
                 r.completed_requests, r.rejected_requests, r.failed_requests, r.canceled_requests
             ),
         ),
-        (
-            "input / output tokens",
-            format!("{} / {}", r.total_input_tokens, r.total_output_tokens),
-        ),
+        ("input / output tokens", format!("{} / {}", r.total_input_tokens, r.total_output_tokens)),
         ("virtual duration (s)", f(r.duration_ms / 1e3)),
         ("requests/s", f(r.request_throughput_rps)),
         ("output tokens/s", f(r.output_throughput_tok_s)),
         ("total tokens/s", f(r.total_throughput_tok_s)),
-        (
-            "prefix cache reuse",
-            format!("{:.1}%", r.prefix_cache_reused_ratio * 100.0),
-        ),
+        ("prefix cache reuse", format!("{:.1}%", r.prefix_cache_reused_ratio * 100.0)),
         ("handoffs started", r.handoffs_started.to_string()),
         (
             "leases expired / reservations expired / canceled",
-            format!(
-                "{} / {} / {}",
-                r.leases_expired, r.reservations_expired, r.handoffs_canceled
-            ),
+            format!("{} / {} / {}", r.leases_expired, r.reservations_expired, r.handoffs_canceled),
         ),
     ];
     for (k, v) in rows {
@@ -72,11 +63,8 @@ pub fn table(r: &MetricsReport) -> String {
     add("reservation wait", &r.reservation_wait_ms);
     let mut s = format!("{totals}\n{lat}");
     if !r.pinned_block_seconds.is_empty() {
-        let parts: Vec<String> = r
-            .pinned_block_seconds
-            .iter()
-            .map(|(w, v)| format!("{w} {}", f(*v)))
-            .collect();
+        let parts: Vec<String> =
+            r.pinned_block_seconds.iter().map(|(w, v)| format!("{w} {}", f(*v))).collect();
         s.push_str(&format!("\npinned block-seconds: {}", parts.join(", ")));
     }
     s

@@ -28,6 +28,11 @@ pub struct ReplayConfig {
     pub seed: u64,
     pub vllm: VllmConfig,
     pub sglang: SglangConfig,
+    /// Per-role engine settings; a role without its own uses `vllm` / `sglang`.
+    pub prefill_vllm: Option<VllmConfig>,
+    pub decode_vllm: Option<VllmConfig>,
+    pub prefill_sglang: Option<SglangConfig>,
+    pub decode_sglang: Option<SglangConfig>,
     pub transfer: TransferConfig,
     /// Source lease (vLLM's abort timeout, default 480 s).
     pub lease_ms: u64,
@@ -58,6 +63,10 @@ impl Default for ReplayConfig {
             seed: 0,
             vllm: VllmConfig::default(),
             sglang: SglangConfig::default(),
+            prefill_vllm: None,
+            decode_vllm: None,
+            prefill_sglang: None,
+            decode_sglang: None,
             transfer: TransferConfig::default(),
             lease_ms: 480_000,
             lease_renew_ms: None,
@@ -91,6 +100,26 @@ impl ReplayConfig {
             column: e.column(),
             message: e.to_string(),
         })
+    }
+
+    /// The vLLM settings for a worker of `role`.
+    pub fn vllm_for(&self, role: crate::ids::Role) -> &VllmConfig {
+        let own = match role {
+            crate::ids::Role::Prefill => self.prefill_vllm.as_ref(),
+            crate::ids::Role::Decode => self.decode_vllm.as_ref(),
+            _ => None,
+        };
+        own.unwrap_or(&self.vllm)
+    }
+
+    /// The SGLang settings for a worker of `role`.
+    pub fn sglang_for(&self, role: crate::ids::Role) -> &SglangConfig {
+        let own = match role {
+            crate::ids::Role::Prefill => self.prefill_sglang.as_ref(),
+            crate::ids::Role::Decode => self.decode_sglang.as_ref(),
+            _ => None,
+        };
+        own.unwrap_or(&self.sglang)
     }
 
     /// The policy in force.

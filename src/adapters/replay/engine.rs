@@ -30,13 +30,15 @@ use crate::ids::{
 use crate::lifecycle::destination::{
     DestinationAction, DestinationConfig, DestinationEvent, DestinationHandoff, DestinationInit,
 };
-use crate::lifecycle::messages::{HandoffMessage, MessageBody};
+use crate::lifecycle::messages::HandoffMessage;
 use crate::lifecycle::source::{SourceAction, SourceConfig, SourceEvent, SourceHandoff, SourceInit};
 use crate::projections::metrics::{MetricsFold, MetricsReport, PerRequest};
 use crate::router::Router;
 use crate::schedulers::sglang::SglangCore;
 use crate::schedulers::vllm::VllmCore;
-use crate::schedulers::{CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, Request};
+use crate::schedulers::{
+    CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, Request,
+};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::path::Path;
@@ -74,13 +76,58 @@ enum Cmd {
 enum Ev {
     Arrival,
     StepDone(usize),
-    Command { slot: usize, cmd: Cmd },
-    Deliver { slot: usize, msg: HandoffMessage },
-    TransferDone { slot: usize, handoff: HandoffId },
-    LeaseTimer { slot: usize, handoff: HandoffId },
-    ReservationTimer { slot: usize, handoff: HandoffId },
-    RenewTimer { slot: usize, handoff: HandoffId },
-    BootstrapTimer { request: RequestId },
+    /// A core command; `then` are events that must wait until it is applied (messages that
+    /// follow it in the same transition: "receive completed" only once activation is done).
+    Command {
+        slot: usize,
+        cmd: Cmd,
+        then: Vec<Ev>,
+    },
+    Deliver {
+        slot: usize,
+        msg: HandoffMessage,
+    },
+    TransferDone {
+        slot: usize,
+        handoff: HandoffId,
+    },
+    LeaseTimer {
+        slot: usize,
+        handoff: HandoffId,
+    },
+    ReservationTimer {
+        slot: usize,
+        handoff: HandoffId,
+    },
+    RenewTimer {
+        slot: usize,
+        handoff: HandoffId,
+    },
+    BootstrapTimer {
+        request: RequestId,
+    },
+}
+
+/// One transition's actions as events, in order. A message that follows a core command in the
+/// same transition waits until that command is applied: the worker may be mid-step, and e.g.
+/// "receive completed" must not reach the source before the destination has activated.
+#[derive(Default)]
+struct Batch {
+    events: Vec<Ev>,
+}
+
+impl Batch {
+    fn command(&mut self, slot: usize, cmd: Cmd) {
+        self.events.push(Ev::Command { slot, cmd, then: Vec::new() });
+    }
+
+    fn message(&mut self, slot: usize, msg: HandoffMessage) {
+        let deliver = Ev::Deliver { slot, msg };
+        match self.events.iter_mut().rev().find(|e| matches!(e, Ev::Command { .. })) {
+            Some(Ev::Command { then, .. }) => then.push(deliver),
+            _ => self.events.push(deliver),
+        }
+    }
 }
 
 struct Queued {
@@ -112,7 +159,7 @@ struct Slot {
     /// A step is in flight; its effects wait in `pending` until `StepDone`.
     busy: bool,
     pending: Option<Effects>,
-    inbox: VecDeque<Cmd>,
+    inbox: VecDeque<(Cmd, Vec<Ev>)>,
     generation: Generation,
     sources: BTreeMap<HandoffId, SourceHandoff>,
     destinations: BTreeMap<HandoffId, DestinationHandoff>,
@@ -157,6 +204,8 @@ pub struct Replay<'a> {
     decode_router: Option<Router>,
     guards: BTreeMap<RequestId, Guard>,
     handoff_request: BTreeMap<HandoffId, RequestId>,
+    /// Handoffs whose source pin the core has reported and not yet released.
+    pinned: std::collections::BTreeSet<HandoffId>,
     transfer: TransferConfig,
     mint: IdMint,
     out: RunWriter,
@@ -167,7 +216,6 @@ pub struct Replay<'a> {
     held_back: bool,
     block_size: u32,
     progress: Option<Progress<'a>>,
-    error: Option<ReplayError>,
 }
 
 impl<'a> Replay<'a> {
@@ -201,13 +249,22 @@ impl<'a> Replay<'a> {
         for w in &workers {
             let core: Box<dyn EngineCore> = match cfg.backend {
                 Backend::Vllm | Backend::TrtLlm => Box::new(
-                    VllmCore::new(*w, cfg.backend, cfg.vllm.clone()).map_err(|e| ConfigError::Invalid(format!("vllm: {e}")))?,
+                    VllmCore::new(*w, cfg.backend, cfg.vllm_for(w.role).clone())
+                        .map_err(|e| ConfigError::Invalid(format!("vllm: {e}")))?,
                 ),
                 Backend::Sglang => Box::new(
-                    SglangCore::new(*w, cfg.sglang.clone()).map_err(|e| ConfigError::Invalid(format!("sglang: {e}")))?,
+                    SglangCore::new(*w, cfg.sglang_for(w.role).clone())
+                        .map_err(|e| ConfigError::Invalid(format!("sglang: {e}")))?,
                 ),
             };
             let shape = core.shape();
+            if block_size != 0 && shape.block_size != block_size {
+                return Err(ConfigError::Invalid(format!(
+                    "{w}: block size {} differs from other workers' {block_size}; KV-aware routing and transfers need one block size",
+                    shape.block_size
+                ))
+                .into());
+            }
             block_size = shape.block_size;
             let header = header(run_id, *w, &cfg, policy, shape);
             metrics.add_stream(&header);
@@ -235,11 +292,15 @@ impl<'a> Replay<'a> {
         };
         let route_err = |e: crate::router::RouterError| ConfigError::Invalid(format!("router: {e}"));
         let prefill_router =
-            Router::new(prefill_workers, cfg.prefill_router.clone(), block_size, mint.next_u64()).map_err(route_err)?;
+            Router::new(prefill_workers, cfg.prefill_router.clone(), block_size, mint.next_u64())
+                .map_err(route_err)?;
         let decode_router = if decode_workers.is_empty() {
             None
         } else {
-            Some(Router::new(decode_workers, cfg.decode_router.clone(), block_size, mint.next_u64()).map_err(route_err)?)
+            Some(
+                Router::new(decode_workers, cfg.decode_router.clone(), block_size, mint.next_u64())
+                    .map_err(route_err)?,
+            )
         };
         let mut r = Replay {
             policy,
@@ -252,6 +313,7 @@ impl<'a> Replay<'a> {
             decode_router,
             guards: BTreeMap::new(),
             handoff_request: BTreeMap::new(),
+            pinned: std::collections::BTreeSet::new(),
             transfer,
             mint,
             out,
@@ -262,7 +324,6 @@ impl<'a> Replay<'a> {
             held_back: false,
             block_size,
             progress: None,
-            error: None,
             cfg,
         };
         for s in 0..r.slots.len() {
@@ -288,6 +349,13 @@ impl<'a> Replay<'a> {
         self.queue.push(Reverse(Queued { at_ns, seq: self.seq, ev }));
     }
 
+    fn push_all(&mut self, evs: Vec<Ev>) {
+        let now = self.now_ns;
+        for ev in evs {
+            self.push(now, ev);
+        }
+    }
+
     fn emit(&mut self, slot: usize, at_ns: u64, fact: Fact) -> Result<(), ReplayError> {
         let worker = self.slots[slot].id;
         if matches!(fact, Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared) {
@@ -296,8 +364,35 @@ impl<'a> Replay<'a> {
                 d.observe(worker, &fact);
             }
         }
+        // Router bookings follow physical pins: the prefill booking lives until the core
+        // reports the source released (the proposal's accounting table).
+        let released = match &fact {
+            Fact::SourcePinned { handoff, .. } => {
+                self.pinned.insert(*handoff);
+                None
+            }
+            Fact::SourceReleased { handoff, .. } => {
+                self.pinned.remove(handoff);
+                self.handoff_request.get(handoff).copied()
+            }
+            _ => None,
+        };
         let seq = self.out.append(worker, at_ns, &fact)?;
         self.metrics.apply(worker, &Record { seq, at_ns, fact });
+        if let Some(req) = released {
+            if let Some(f) = self.prefill_router.free_prefill(req) {
+                self.emit_router(at_ns, f)?;
+            }
+            if let Some(h) = self.guards.get(&req).and_then(|g| g.handoff) {
+                self.forget_handoff(h);
+            } else {
+                let hs: Vec<HandoffId> =
+                    self.handoff_request.iter().filter(|(_, r)| **r == req).map(|(h, _)| *h).collect();
+                for h in hs {
+                    self.forget_handoff(h);
+                }
+            }
+        }
         Ok(())
     }
 
@@ -314,12 +409,6 @@ impl<'a> Replay<'a> {
         Ok(())
     }
 
-    fn fail(&mut self, e: ReplayError) {
-        if self.error.is_none() {
-            self.error = Some(e);
-        }
-    }
-
     /// Runs to the end of the trace and until every event is handled.
     pub fn run(mut self) -> Result<ReplayOutcome, ReplayError> {
         while let Some(Reverse(q)) = self.queue.pop() {
@@ -327,9 +416,6 @@ impl<'a> Replay<'a> {
             self.now_ns = q.at_ns;
             self.events += 1;
             self.handle(q.ev)?;
-            if let Some(e) = self.error.take() {
-                return Err(e);
-            }
             if self.events % 4096 == 0 {
                 if let Some(p) = self.progress.as_mut() {
                     p(self.arrivals, self.now_ns);
@@ -352,16 +438,18 @@ impl<'a> Replay<'a> {
                 if let Some(effects) = self.slots[s].pending.take() {
                     self.apply_effects(s, effects)?;
                 }
-                while let Some(cmd) = self.slots[s].inbox.pop_front() {
+                while let Some((cmd, then)) = self.slots[s].inbox.pop_front() {
                     self.execute(s, cmd)?;
+                    self.push_all(then);
                 }
                 self.kick(s)?;
             }
-            Ev::Command { slot, cmd } => {
+            Ev::Command { slot, cmd, then } => {
                 if self.slots[slot].busy {
-                    self.slots[slot].inbox.push_back(cmd);
+                    self.slots[slot].inbox.push_back((cmd, then));
                 } else {
                     self.execute(slot, cmd)?;
+                    self.push_all(then);
                     self.kick(slot)?;
                 }
             }
@@ -398,7 +486,9 @@ impl<'a> Replay<'a> {
             self.held_back = true;
             return Ok(());
         }
-        let Some(t) = self.next_arrival.take() else { return Ok(()) };
+        let Some(t) = self.next_arrival.take() else {
+            return Ok(());
+        };
         let now = self.now_ns;
         let request = t.to_request();
         self.arrivals += 1;
@@ -410,7 +500,11 @@ impl<'a> Replay<'a> {
         let id = request.id;
         self.emit_router(
             now,
-            Fact::RequestArrived { request: id, input_tokens: request.input_tokens, output_tokens: request.output_tokens },
+            Fact::RequestArrived {
+                request: id,
+                input_tokens: request.input_tokens,
+                output_tokens: request.output_tokens,
+            },
         )?;
         let prompt_blocks = request.input_tokens.div_ceil(self.block_size);
         let total_blocks = (request.input_tokens + request.output_tokens).div_ceil(self.block_size);
@@ -430,16 +524,32 @@ impl<'a> Replay<'a> {
             self.emit_router(now, booked)?;
             self.guards.insert(
                 id,
-                Guard { request: request.clone(), handoff: None, prefill: Some(p_slot), decode: Some(p_slot), activated: false, fail_status: None },
+                Guard {
+                    request: request.clone(),
+                    handoff: None,
+                    prefill: Some(p_slot),
+                    decode: Some(p_slot),
+                    activated: false,
+                    fail_status: None,
+                },
             );
-            self.push(now, Ev::Command { slot: p_slot, cmd: Cmd::Submit(request) });
+            self.push(now, Ev::Command { slot: p_slot, cmd: Cmd::Submit(request), then: Vec::new() });
             return Ok(());
         }
         let handoff = self.mint.handoff_id();
         self.handoff_request.insert(handoff, id);
-        let demand = KvHandoffDemand { context_tokens: request.input_tokens, max_output_tokens: request.output_tokens };
-        let mut guard =
-            Guard { request: request.clone(), handoff: Some(handoff), prefill: Some(p_slot), decode: None, activated: false, fail_status: None };
+        let demand = KvHandoffDemand {
+            context_tokens: request.input_tokens,
+            max_output_tokens: request.output_tokens,
+        };
+        let mut guard = Guard {
+            request: request.clone(),
+            handoff: Some(handoff),
+            prefill: Some(p_slot),
+            decode: None,
+            activated: false,
+            fail_status: None,
+        };
         let mut dest = None;
         if self.policy == HandoffPolicy::DestinationFirst {
             // SGLang: the decode is chosen (and booked) together with the prefill.
@@ -478,21 +588,32 @@ impl<'a> Replay<'a> {
     fn route_decode(&mut self, id: RequestId, request: &Request) -> Result<usize, ReplayError> {
         let now = self.now_ns;
         let total_blocks = (request.input_tokens + request.output_tokens).div_ceil(self.block_size);
-        let router = self.decode_router.as_mut().ok_or_else(|| ReplayError::Engine("no decode router".into()))?;
+        let router =
+            self.decode_router.as_mut().ok_or_else(|| ReplayError::Engine("no decode router".into()))?;
         let d = router.select(request).worker;
-        let booked = router.book_decode(id, d, total_blocks).map_err(|e| ReplayError::Engine(e.to_string()))?;
+        let booked =
+            router.book_decode(id, d, total_blocks).map_err(|e| ReplayError::Engine(e.to_string()))?;
         self.emit_router(now, booked)?;
         Ok(self.slot_of(d))
     }
 
-    fn start_destination(&mut self, d_slot: usize, handoff: HandoffId, request: &Request, p_slot: usize) -> Result<(), ReplayError> {
+    fn start_destination(
+        &mut self,
+        d_slot: usize,
+        handoff: HandoffId,
+        request: &Request,
+        p_slot: usize,
+    ) -> Result<(), ReplayError> {
         let now = self.now_ns;
         let d = self.slots[d_slot].id;
         let dest = DestinationHandoff::new(DestinationInit {
             handoff,
             request: request.id,
             policy: self.policy,
-            demand: KvHandoffDemand { context_tokens: request.input_tokens, max_output_tokens: request.output_tokens },
+            demand: KvHandoffDemand {
+                context_tokens: request.input_tokens,
+                max_output_tokens: request.output_tokens,
+            },
             worker: d,
             generation: self.slots[d_slot].generation,
             source: Some(self.slots[p_slot].id),
@@ -592,6 +713,12 @@ impl<'a> Replay<'a> {
                 self.command_result(s, r, Some(h), None)
             }
             Cmd::CancelDestination(h, reason) => {
+                // The core's cancel names a cause; an expired reservation is canceled as expired.
+                let reason = match reason {
+                    EndReason::Canceled(r) => r,
+                    EndReason::Expired => CancelReason::Expired,
+                    EndReason::Success => CancelReason::TransferFailed,
+                };
                 let r = core.cancel_destination(h, reason, now);
                 self.command_result(s, r, Some(h), None)
             }
@@ -626,7 +753,9 @@ impl<'a> Replay<'a> {
             CommandError::NeverFits { .. } => CancelReason::DestinationRejected,
             // Unknown handoffs and invalid states mean an action raced a cleanup the core
             // already did: nothing to unwind.
-            CommandError::UnknownHandoff(_) | CommandError::InvalidState { .. } | CommandError::DuplicateHandoff(_) => {
+            CommandError::UnknownHandoff(_)
+            | CommandError::InvalidState { .. }
+            | CommandError::DuplicateHandoff(_) => {
                 tracing::debug!(worker = %self.slots[s].id, error = %e, "command refused");
                 return Ok(());
             }
@@ -731,7 +860,9 @@ impl<'a> Replay<'a> {
 
     fn source_event(&mut self, s: usize, handoff: HandoffId, ev: SourceEvent) -> Result<(), ReplayError> {
         let now = self.now_ns;
-        let Some(m) = self.slots[s].sources.get_mut(&handoff) else { return Ok(()) };
+        let Some(m) = self.slots[s].sources.get_mut(&handoff) else {
+            return Ok(());
+        };
         let t = match m.handle(ev, now) {
             Ok(t) => t,
             Err(e) => {
@@ -744,41 +875,37 @@ impl<'a> Replay<'a> {
             }
         };
         let released = m.is_released();
-        let success = matches!(m.state(), crate::lifecycle::source::SourceState::Released { how: EndReason::Success });
+        let success =
+            matches!(m.state(), crate::lifecycle::source::SourceState::Released { how: EndReason::Success });
         self.emit_all(s, now, t.facts)?;
+        let mut batch = Batch::default();
         for a in t.actions {
             match a {
                 SourceAction::DispatchPrefill { lease_ns } => {
-                    let Some(req) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get(r)) else { continue };
+                    let Some(req) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get(r))
+                    else {
+                        continue;
+                    };
                     let request = req.request.clone();
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::DispatchPrefill { handoff, request, lease_ns } });
+                    batch.command(s, Cmd::DispatchPrefill { handoff, request, lease_ns });
                 }
+                // The prefill booking is freed when the core reports the pin's release.
                 SourceAction::ReleaseSource { reason, .. } => {
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::ReleaseSource(handoff, reason) });
-                    if let Some(req) = self.handoff_request.get(&handoff).copied() {
-                        if let Some(f) = self.prefill_router.free_prefill(req) {
-                            self.emit_router(now, f)?;
-                        }
-                    }
+                    batch.command(s, Cmd::ReleaseSource(handoff, reason))
                 }
                 SourceAction::CancelPrefill { reason } => {
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::CancelSource(handoff, reason) });
+                    batch.command(s, Cmd::CancelSource(handoff, reason))
                 }
-                SourceAction::Send { to, message } => {
-                    let slot = self.slot_of(to);
-                    self.push(now, Ev::Deliver { slot, msg: message });
-                }
+                SourceAction::Send { to, message } => batch.message(self.slot_of(to), message),
                 SourceAction::ScheduleLeaseTimer { deadline_ns } => {
                     self.push(deadline_ns.max(now), Ev::LeaseTimer { slot: s, handoff });
                 }
             }
         }
+        self.push_all(batch.events);
         if released {
             self.slots[s].sources.remove(&handoff);
             if let Some(req) = self.handoff_request.get(&handoff).copied() {
-                if let Some(f) = self.prefill_router.free_prefill(req) {
-                    self.emit_router(now, f)?;
-                }
                 if !success {
                     self.fail_unless_activated(req)?;
                 }
@@ -788,9 +915,16 @@ impl<'a> Replay<'a> {
         Ok(())
     }
 
-    fn destination_event(&mut self, s: usize, handoff: HandoffId, ev: DestinationEvent) -> Result<(), ReplayError> {
+    fn destination_event(
+        &mut self,
+        s: usize,
+        handoff: HandoffId,
+        ev: DestinationEvent,
+    ) -> Result<(), ReplayError> {
         let now = self.now_ns;
-        let Some(m) = self.slots[s].destinations.get_mut(&handoff) else { return Ok(()) };
+        let Some(m) = self.slots[s].destinations.get_mut(&handoff) else {
+            return Ok(());
+        };
         let t = match m.handle(ev, now) {
             Ok(t) => t,
             Err(e) => {
@@ -804,12 +938,16 @@ impl<'a> Replay<'a> {
         };
         let released = m.is_released();
         self.emit_all(s, now, t.facts)?;
+        let mut batch = Batch::default();
         for a in t.actions {
             match a {
                 DestinationAction::ReserveDestination { deadline_ns } => {
-                    let Some(req) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get(r)) else { continue };
+                    let Some(req) = self.handoff_request.get(&handoff).and_then(|r| self.guards.get(r))
+                    else {
+                        continue;
+                    };
                     let request = req.request.clone();
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::Reserve { handoff, request, deadline_ns } });
+                    batch.command(s, Cmd::Reserve { handoff, request, deadline_ns });
                 }
                 DestinationAction::StartReceive { missing_tokens, .. } => {
                     let at = now + self.transfer.transfer_ns(missing_tokens as u64);
@@ -821,23 +959,21 @@ impl<'a> Replay<'a> {
                             g.activated = true;
                         }
                     }
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::Activate(handoff) });
+                    batch.command(s, Cmd::Activate(handoff));
                 }
                 DestinationAction::ReleaseDestination { reason, .. } => {
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::CancelDestination(handoff, reason) });
+                    batch.command(s, Cmd::CancelDestination(handoff, reason))
                 }
                 DestinationAction::AbortRequest { reason } => {
-                    self.push(now, Ev::Command { slot: s, cmd: Cmd::CancelDestination(handoff, EndReason::Canceled(reason)) });
+                    batch.command(s, Cmd::CancelDestination(handoff, EndReason::Canceled(reason)))
                 }
-                DestinationAction::Send { to, message } => {
-                    let slot = self.slot_of(to);
-                    self.push(now, Ev::Deliver { slot, msg: message });
-                }
+                DestinationAction::Send { to, message } => batch.message(self.slot_of(to), message),
                 DestinationAction::ScheduleReservationTimer { deadline_ns } => {
                     self.push(deadline_ns.max(now), Ev::ReservationTimer { slot: s, handoff });
                 }
             }
         }
+        self.push_all(batch.events);
         if released {
             self.slots[s].destinations.remove(&handoff);
             if let Some(req) = self.handoff_request.get(&handoff).copied() {
@@ -851,7 +987,9 @@ impl<'a> Replay<'a> {
     /// A role ended its part of the handoff without success: unless decode already runs, the
     /// request ends (rejected if a core refused it, failed otherwise).
     fn fail_unless_activated(&mut self, req: RequestId) -> Result<(), ReplayError> {
-        let Some(g) = self.guards.get(&req) else { return Ok(()) };
+        let Some(g) = self.guards.get(&req) else {
+            return Ok(());
+        };
         if g.activated {
             return Ok(());
         }
@@ -861,8 +999,11 @@ impl<'a> Replay<'a> {
 
     /// Drops the frontend's correlation once neither role holds the handoff.
     fn forget_handoff(&mut self, handoff: HandoffId) {
-        let held = self.slots.iter().any(|s| s.sources.contains_key(&handoff) || s.destinations.contains_key(&handoff));
-        if held {
+        let held = self
+            .slots
+            .iter()
+            .any(|s| s.sources.contains_key(&handoff) || s.destinations.contains_key(&handoff));
+        if held || self.pinned.contains(&handoff) {
             return;
         }
         if let Some(req) = self.handoff_request.get(&handoff) {
@@ -876,7 +1017,9 @@ impl<'a> Replay<'a> {
     /// The destination's heartbeat: while it still waits to read, it renews the source lease.
     fn on_renew(&mut self, s: usize, handoff: HandoffId) -> Result<(), ReplayError> {
         let now = self.now_ns;
-        let Some(m) = self.slots[s].destinations.get(&handoff) else { return Ok(()) };
+        let Some(m) = self.slots[s].destinations.get(&handoff) else {
+            return Ok(());
+        };
         if !matches!(m.state_name(), "NotRouted" | "Reserving" | "Reserved") {
             return Ok(());
         }
@@ -889,8 +1032,12 @@ impl<'a> Replay<'a> {
 
     /// SGLang's bootstrap timeout: a prefill still waiting for its destination fails.
     fn on_bootstrap_timeout(&mut self, request: RequestId) -> Result<(), ReplayError> {
-        let Some(g) = self.guards.get(&request) else { return Ok(()) };
-        let (Some(h), Some(p)) = (g.handoff, g.prefill) else { return Ok(()) };
+        let Some(g) = self.guards.get(&request) else {
+            return Ok(());
+        };
+        let (Some(h), Some(p)) = (g.handoff, g.prefill) else {
+            return Ok(());
+        };
         let waiting = self.slots[p].sources.get(&h).is_some_and(|m| m.state_name() == "NotStarted");
         if waiting {
             self.source_event(p, h, SourceEvent::Cancelled { reason: CancelReason::PeerLost })?;
@@ -899,20 +1046,29 @@ impl<'a> Replay<'a> {
     }
 
     /// The request's terminal outcome: the frontend's guard frees its bookings exactly once.
-    fn terminal(&mut self, request: RequestId, status: TerminalStatus, output_tokens: u32) -> Result<(), ReplayError> {
+    fn terminal(
+        &mut self,
+        request: RequestId,
+        status: TerminalStatus,
+        output_tokens: u32,
+    ) -> Result<(), ReplayError> {
         let now = self.now_ns;
-        let Some(g) = self.guards.remove(&request) else { return Ok(()) };
+        let Some(g) = self.guards.remove(&request) else {
+            return Ok(());
+        };
         if let Some(f) = self.prefill_router.prefill_compute_done(request) {
             self.emit_router(now, f)?;
         }
         // A pinned source keeps its prefill booking until it is released.
-        let source_held = g.handoff.is_some_and(|h| g.prefill.is_some_and(|p| self.slots[p].sources.contains_key(&h)));
+        let source_held = g.handoff.is_some_and(|h| self.pinned.contains(&h));
         if !source_held {
             if let Some(f) = self.prefill_router.free_prefill(request) {
                 self.emit_router(now, f)?;
             }
         }
-        let decode_router = if self.policy == HandoffPolicy::Disabled { &mut self.prefill_router } else {
+        let decode_router = if self.policy == HandoffPolicy::Disabled {
+            &mut self.prefill_router
+        } else {
             match self.decode_router.as_mut() {
                 Some(r) => r,
                 None => &mut self.prefill_router,
@@ -928,10 +1084,18 @@ impl<'a> Replay<'a> {
             if status != TerminalStatus::Completed {
                 for s in 0..self.slots.len() {
                     if self.slots[s].sources.contains_key(&h) {
-                        self.source_event(s, h, SourceEvent::Cancelled { reason: CancelReason::RequestAborted })?;
+                        self.source_event(
+                            s,
+                            h,
+                            SourceEvent::Cancelled { reason: CancelReason::RequestAborted },
+                        )?;
                     }
                     if self.slots[s].destinations.contains_key(&h) {
-                        self.destination_event(s, h, DestinationEvent::Cancelled { reason: CancelReason::RequestAborted })?;
+                        self.destination_event(
+                            s,
+                            h,
+                            DestinationEvent::Cancelled { reason: CancelReason::RequestAborted },
+                        )?;
                     }
                 }
             }
@@ -1001,6 +1165,20 @@ impl<'a> Replay<'a> {
     }
 }
 
-fn header(run_id: uuid::Uuid, worker: WorkerId, cfg: &ReplayConfig, policy: HandoffPolicy, engine: EngineShape) -> StreamHeader {
-    StreamHeader { run_id, worker, backend: cfg.backend, policy, clock: ClockDomain::Virtual, seed: cfg.seed, engine }
+fn header(
+    run_id: uuid::Uuid,
+    worker: WorkerId,
+    cfg: &ReplayConfig,
+    policy: HandoffPolicy,
+    engine: EngineShape,
+) -> StreamHeader {
+    StreamHeader {
+        run_id,
+        worker,
+        backend: cfg.backend,
+        policy,
+        clock: ClockDomain::Virtual,
+        seed: cfg.seed,
+        engine,
+    }
 }

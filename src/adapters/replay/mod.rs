@@ -1,0 +1,6 @@
+//! Offline replay: trace readers, transfer timing, configuration and the discrete-event loop.
+
+pub mod config;
+pub mod engine;
+pub mod trace;
+pub mod transfer;

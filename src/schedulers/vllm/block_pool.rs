@@ -1,0 +1,513 @@
+//! The vLLM-like block pool: a fixed number of KV blocks, prefix caching by chained hash, per-owner
+//! reference counts, and an LRU of cached-free blocks.
+//!
+//! ## Ownership classes and precedence
+//! A block may be referenced by several owners at once (two requests sharing a prefix, a pinned
+//! source whose published prefix another request reuses, a reservation that locked a cached
+//! prefix). The capacity snapshot counts every block in exactly ONE class, by precedence:
+//!
+//! `active > reserved_destination > pinned_source > cached_free > free`
+//!
+//! * any active reference (running / waiting-with-KV request, activated destination) → active;
+//! * else any reservation reference → reserved_destination;
+//! * else any held-prefill reference → pinned_source;
+//! * else a block with a hash → cached_free (evictable, LRU);
+//! * else → free.
+//!
+//! Every reference change recomputes the block's class; a class change is added to the pool's
+//! delta accumulator, which the core drains into the fact that caused it. So a request finishing
+//! on a block that a pin also holds moves it active → pinned inside that request's
+//! `RequestFinished` delta.
+//!
+//! ## Cost
+//! Every operation is O(1) (hash lookup, stack pop, intrusive list unlink); only [`BlockPool::audit`]
+//! walks all blocks.
+
+use crate::events::{BlockHash, KvDelta};
+use crate::projections::capacity::KvCapacitySnapshot;
+use std::collections::HashMap;
+
+/// A hasher for keys that are single integers (block hashes, request ids). SipHash's DoS
+/// resistance buys nothing in a simulator and costs most of a decode step's time; a multiply-
+/// xorshift finalizer spreads sequential ids as well. Deterministic (no random state), and only
+/// used for lookups that are never iterated into output.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct IntHasher(u64);
+
+impl std::hash::Hasher for IntHasher {
+    fn finish(&self) -> u64 {
+        let z = self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        z ^ (z >> 29)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = self.0.rotate_left(32) ^ n;
+    }
+}
+
+/// `BuildHasher` for [`IntHasher`].
+pub type IntBuild = std::hash::BuildHasherDefault<IntHasher>;
+
+/// Index of a physical block.
+pub type BlockId = u32;
+
+const NIL: u32 = u32::MAX;
+
+/// Who holds a reference.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Owner {
+    /// A waiting-with-KV or running request (incl. an activated destination).
+    Active = 0,
+    /// A finished handoff prefill holding its KV for a reader.
+    Pinned = 1,
+    /// A destination reservation not yet activated.
+    Reserved = 2,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Class {
+    Active,
+    Pinned,
+    Reserved,
+    Cached,
+    Free,
+}
+
+#[derive(Clone, Debug)]
+struct Block {
+    hash: Option<BlockHash>,
+    refs: [u32; 3],
+    /// Intrusive LRU links (valid only while cached-free).
+    prev: u32,
+    next: u32,
+}
+
+impl Block {
+    fn class(&self) -> Class {
+        if self.refs[Owner::Active as usize] > 0 {
+            Class::Active
+        } else if self.refs[Owner::Reserved as usize] > 0 {
+            Class::Reserved
+        } else if self.refs[Owner::Pinned as usize] > 0 {
+            Class::Pinned
+        } else if self.hash.is_some() {
+            Class::Cached
+        } else {
+            Class::Free
+        }
+    }
+}
+
+/// An internal inconsistency (a release without a matching acquire). Never caused by command
+/// input: the core only releases what it acquired; surfaced instead of panicking.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("block pool: {0}")]
+pub struct PoolError(pub String);
+
+#[derive(Clone, Debug)]
+pub struct BlockPool {
+    blocks: Vec<Block>,
+    /// hash → canonical block. Pure lookup, never iterated into output.
+    by_hash: HashMap<BlockHash, BlockId, IntBuild>,
+    /// Plain free blocks (no hash), used as a stack.
+    free: Vec<BlockId>,
+    lru_head: u32,
+    lru_tail: u32,
+    counts: Counts,
+    /// Class changes not yet attached to a fact.
+    acc: KvDelta,
+    /// Hashes evicted and not yet reported by a `KvRemoved` fact.
+    removed: Vec<BlockHash>,
+    /// Bumped whenever a block becomes unreferenced (capacity grew).
+    epoch: u64,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Counts {
+    active: u64,
+    pinned: u64,
+    reserved: u64,
+    cached: u64,
+    free: u64,
+}
+
+impl Counts {
+    fn bump(&mut self, c: Class, up: bool) {
+        let slot = match c {
+            Class::Active => &mut self.active,
+            Class::Pinned => &mut self.pinned,
+            Class::Reserved => &mut self.reserved,
+            Class::Cached => &mut self.cached,
+            Class::Free => &mut self.free,
+        };
+        if up {
+            *slot += 1;
+        } else {
+            *slot = slot.saturating_sub(1);
+        }
+    }
+}
+
+fn delta_bump(d: &mut KvDelta, c: Class, by: i32) {
+    match c {
+        Class::Active => d.active += by,
+        Class::Pinned => d.pinned_source += by,
+        Class::Reserved => d.reserved_destination += by,
+        Class::Cached => d.cached_free += by,
+        Class::Free => d.free += by,
+    }
+}
+
+impl BlockPool {
+    pub fn new(total: u32) -> Self {
+        let blocks = vec![Block { hash: None, refs: [0; 3], prev: NIL, next: NIL }; total as usize];
+        // Pop order: lowest id first (deterministic).
+        let free: Vec<BlockId> = (0..total).rev().collect();
+        BlockPool {
+            blocks,
+            by_hash: HashMap::default(),
+            free,
+            lru_head: NIL,
+            lru_tail: NIL,
+            counts: Counts { free: total as u64, ..Default::default() },
+            acc: KvDelta::ZERO,
+            removed: Vec::new(),
+            epoch: 0,
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.blocks.len() as u64
+    }
+
+    /// Blocks an allocation could obtain now: plain free plus evictable cached-free.
+    pub fn available(&self) -> u64 {
+        self.counts.free + self.counts.cached
+    }
+
+    pub fn active_blocks(&self) -> u64 {
+        self.counts.active
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The canonical block holding `hash`, if any (referenced or cached-free).
+    pub fn lookup(&self, hash: BlockHash) -> Option<BlockId> {
+        self.by_hash.get(&hash).copied()
+    }
+
+    /// True if the block is cached-free (unreferenced, evictable): acquiring it takes it out of
+    /// the evictable set.
+    pub fn is_cached_free(&self, b: BlockId) -> bool {
+        self.blocks.get(b as usize).map(|x| x.class() == Class::Cached).unwrap_or(false)
+    }
+
+    /// Reference counts by owner (`[active, pinned, reserved]`), for audits.
+    pub fn refs_of(&self, b: BlockId) -> [u32; 3] {
+        self.blocks.get(b as usize).map(|x| x.refs).unwrap_or([0; 3])
+    }
+
+    pub fn hash_of(&self, b: BlockId) -> Option<BlockHash> {
+        self.blocks.get(b as usize).and_then(|x| x.hash)
+    }
+
+    /// Drains the class changes since the last call (to attach to a fact).
+    pub fn take_delta(&mut self) -> KvDelta {
+        std::mem::take(&mut self.acc)
+    }
+
+    /// Drains the hashes evicted since the last call.
+    pub fn take_removed(&mut self) -> Vec<BlockHash> {
+        std::mem::take(&mut self.removed)
+    }
+
+    fn lru_unlink(&mut self, b: BlockId) {
+        let (p, n) = {
+            let blk = &self.blocks[b as usize];
+            (blk.prev, blk.next)
+        };
+        if p == NIL {
+            self.lru_head = n;
+        } else {
+            self.blocks[p as usize].next = n;
+        }
+        if n == NIL {
+            self.lru_tail = p;
+        } else {
+            self.blocks[n as usize].prev = p;
+        }
+        let blk = &mut self.blocks[b as usize];
+        blk.prev = NIL;
+        blk.next = NIL;
+    }
+
+    fn lru_push_tail(&mut self, b: BlockId) {
+        let t = self.lru_tail;
+        {
+            let blk = &mut self.blocks[b as usize];
+            blk.prev = t;
+            blk.next = NIL;
+        }
+        if t == NIL {
+            self.lru_head = b;
+        } else {
+            self.blocks[t as usize].next = b;
+        }
+        self.lru_tail = b;
+    }
+
+    /// Applies `f` to block `b` and books the resulting class change (structures, counters,
+    /// delta, epoch). Leaving the Free class is only done by `alloc`, which pops the stack itself.
+    fn transition(&mut self, b: BlockId, f: impl FnOnce(&mut Block)) {
+        let old = self.blocks[b as usize].class();
+        f(&mut self.blocks[b as usize]);
+        let new = self.blocks[b as usize].class();
+        if old == new {
+            return;
+        }
+        if old == Class::Cached {
+            self.lru_unlink(b);
+        }
+        match new {
+            Class::Cached => {
+                self.lru_push_tail(b);
+                self.epoch += 1;
+            }
+            Class::Free => {
+                self.free.push(b);
+                self.epoch += 1;
+            }
+            _ => {}
+        }
+        self.counts.bump(old, false);
+        self.counts.bump(new, true);
+        delta_bump(&mut self.acc, old, -1);
+        delta_bump(&mut self.acc, new, 1);
+    }
+
+    /// Adds a reference of `owner` to an existing block (prefix reuse).
+    pub fn acquire(&mut self, b: BlockId, owner: Owner) {
+        self.transition(b, |blk| blk.refs[owner as usize] += 1);
+    }
+
+    /// Drops one reference of `owner`.
+    pub fn release(&mut self, b: BlockId, owner: Owner) -> Result<(), PoolError> {
+        let Some(blk) = self.blocks.get(b as usize) else {
+            return Err(PoolError(format!("release of unknown block {b}")));
+        };
+        if blk.refs[owner as usize] == 0 {
+            return Err(PoolError(format!("release of block {b} without a {owner:?} reference")));
+        }
+        self.transition(b, |blk| blk.refs[owner as usize] -= 1);
+        Ok(())
+    }
+
+    /// Moves one reference from `from` to `to` in one transition (pin, activation).
+    pub fn rekind(&mut self, b: BlockId, from: Owner, to: Owner) -> Result<(), PoolError> {
+        let Some(blk) = self.blocks.get(b as usize) else {
+            return Err(PoolError(format!("rekind of unknown block {b}")));
+        };
+        if blk.refs[from as usize] == 0 {
+            return Err(PoolError(format!("rekind of block {b} without a {from:?} reference")));
+        }
+        self.transition(b, |blk| {
+            blk.refs[from as usize] -= 1;
+            blk.refs[to as usize] += 1;
+        });
+        Ok(())
+    }
+
+    /// A fresh block with no hash, from the free stack or by evicting the least recently freed
+    /// cached block (its hash is queued for `KvRemoved`). `None` if nothing is available.
+    pub fn alloc(&mut self, owner: Owner) -> Option<BlockId> {
+        if let Some(b) = self.free.pop() {
+            // Free → owner class; the stack pop above already removed it from its structure.
+            self.counts.bump(Class::Free, false);
+            delta_bump(&mut self.acc, Class::Free, -1);
+            let blk = &mut self.blocks[b as usize];
+            blk.refs[owner as usize] += 1;
+            let new = blk.class();
+            self.counts.bump(new, true);
+            delta_bump(&mut self.acc, new, 1);
+            return Some(b);
+        }
+        let b = self.lru_head;
+        if b == NIL {
+            return None;
+        }
+        // Evict: cached → (no hash) → owner class.
+        if let Some(h) = self.blocks[b as usize].hash {
+            if self.by_hash.get(&h) == Some(&b) {
+                self.by_hash.remove(&h);
+            }
+            self.removed.push(h);
+        }
+        self.lru_unlink(b);
+        self.counts.bump(Class::Cached, false);
+        delta_bump(&mut self.acc, Class::Cached, -1);
+        let blk = &mut self.blocks[b as usize];
+        blk.hash = None;
+        blk.refs[owner as usize] += 1;
+        let new = blk.class();
+        self.counts.bump(new, true);
+        delta_bump(&mut self.acc, new, 1);
+        Some(b)
+    }
+
+    /// Gives a referenced, hashless block its hash. If another block already holds that hash,
+    /// nothing changes and the canonical block is returned (the caller adopts it and releases
+    /// its own copy).
+    pub fn set_hash(&mut self, b: BlockId, hash: BlockHash) -> Result<Option<BlockId>, PoolError> {
+        if let Some(&c) = self.by_hash.get(&hash) {
+            if c != b {
+                return Ok(Some(c));
+            }
+            return Ok(None);
+        }
+        let Some(blk) = self.blocks.get_mut(b as usize) else {
+            return Err(PoolError(format!("hash of unknown block {b}")));
+        };
+        if blk.hash.is_some() {
+            return Err(PoolError(format!("block {b} already has a hash")));
+        }
+        // A referenced block keeps its class when it gains a hash.
+        blk.hash = Some(hash);
+        self.by_hash.insert(hash, b);
+        Ok(None)
+    }
+
+    /// The counters, as a snapshot (slots are the core's business).
+    pub fn snapshot_blocks(&self) -> KvCapacitySnapshot {
+        KvCapacitySnapshot {
+            active_blocks: self.counts.active,
+            pinned_source_blocks: self.counts.pinned,
+            reserved_destination_blocks: self.counts.reserved,
+            cached_free_blocks: self.counts.cached,
+            free_blocks: self.counts.free,
+            total_blocks: self.total(),
+            request_slots_used: 0,
+            decode_headroom_tokens: 0,
+        }
+    }
+
+    /// Recounts every class by walking every block, and checks the free stack, the LRU and the
+    /// hash index against the blocks. Slow: tests and audits only.
+    pub fn audit(&self) -> Result<KvCapacitySnapshot, PoolError> {
+        let mut c = Counts::default();
+        for (i, blk) in self.blocks.iter().enumerate() {
+            c.bump(blk.class(), true);
+            if let Some(h) = blk.hash {
+                if self.by_hash.get(&h) != Some(&(i as u32)) {
+                    return Err(PoolError(format!(
+                        "block {i} has hash {h:#x} but is not its canonical block"
+                    )));
+                }
+            }
+        }
+        if self.by_hash.len() as u64 != self.blocks.iter().filter(|b| b.hash.is_some()).count() as u64 {
+            return Err(PoolError("hash index size differs from hashed blocks".into()));
+        }
+        if self.free.len() as u64 != c.free {
+            return Err(PoolError(format!("free stack {} != free blocks {}", self.free.len(), c.free)));
+        }
+        if self.free.iter().any(|&b| self.blocks[b as usize].class() != Class::Free) {
+            return Err(PoolError("free stack holds a non-free block".into()));
+        }
+        let mut n = 0u64;
+        let mut cur = self.lru_head;
+        let mut prev = NIL;
+        while cur != NIL {
+            let blk = &self.blocks[cur as usize];
+            if blk.class() != Class::Cached || blk.prev != prev {
+                return Err(PoolError(format!("LRU corrupt at block {cur}")));
+            }
+            n += 1;
+            if n > self.total() {
+                return Err(PoolError("LRU has a cycle".into()));
+            }
+            prev = cur;
+            cur = blk.next;
+        }
+        if n != c.cached || prev != self.lru_tail {
+            return Err(PoolError(format!("LRU length {n} != cached blocks {}", c.cached)));
+        }
+        if c != self.counts {
+            return Err(PoolError(format!("counters {:?} != recount {:?}", self.counts, c)));
+        }
+        Ok(KvCapacitySnapshot {
+            active_blocks: c.active,
+            pinned_source_blocks: c.pinned,
+            reserved_destination_blocks: c.reserved,
+            cached_free_blocks: c.cached,
+            free_blocks: c.free,
+            total_blocks: self.total(),
+            request_slots_used: 0,
+            decode_headroom_tokens: 0,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn release_to_cache_then_evict_in_lru_order() {
+        let mut p = BlockPool::new(3);
+        let a = p.alloc(Owner::Active).unwrap();
+        let b = p.alloc(Owner::Active).unwrap();
+        let c = p.alloc(Owner::Active).unwrap();
+        assert!(p.alloc(Owner::Active).is_none());
+        assert_eq!(p.set_hash(a, 10).unwrap(), None);
+        assert_eq!(p.set_hash(b, 11).unwrap(), None);
+        p.release(b, Owner::Active).unwrap();
+        p.release(a, Owner::Active).unwrap();
+        p.release(c, Owner::Active).unwrap(); // no hash: plain free
+        let d = p.take_delta();
+        assert_eq!(d, KvDelta { cached_free: 2, free: -2, ..KvDelta::ZERO });
+        // Plain free first, then the least recently freed cached block (b, hash 11).
+        assert_eq!(p.alloc(Owner::Active), Some(c));
+        assert_eq!(p.alloc(Owner::Active), Some(b));
+        assert_eq!(p.take_removed(), vec![11]);
+        assert_eq!(p.lookup(10), Some(a));
+        assert_eq!(p.lookup(11), None);
+        p.audit().unwrap();
+    }
+
+    #[test]
+    fn precedence_counts_shared_block_once() {
+        let mut p = BlockPool::new(2);
+        let a = p.alloc(Owner::Active).unwrap();
+        p.set_hash(a, 5).unwrap();
+        p.acquire(a, Owner::Pinned);
+        p.acquire(a, Owner::Reserved);
+        let s = p.audit().unwrap();
+        assert_eq!((s.active_blocks, s.pinned_source_blocks, s.reserved_destination_blocks), (1, 0, 0));
+        p.release(a, Owner::Active).unwrap();
+        assert_eq!(p.audit().unwrap().reserved_destination_blocks, 1);
+        p.release(a, Owner::Reserved).unwrap();
+        assert_eq!(p.audit().unwrap().pinned_source_blocks, 1);
+        p.release(a, Owner::Pinned).unwrap();
+        assert_eq!(p.audit().unwrap().cached_free_blocks, 1);
+        assert!(p.release(a, Owner::Pinned).is_err());
+        let d = p.take_delta();
+        assert_eq!(d, KvDelta { free: -1, cached_free: 1, ..KvDelta::ZERO });
+    }
+
+    #[test]
+    fn duplicate_hash_returns_canonical() {
+        let mut p = BlockPool::new(2);
+        let a = p.alloc(Owner::Active).unwrap();
+        let b = p.alloc(Owner::Active).unwrap();
+        p.set_hash(a, 9).unwrap();
+        assert_eq!(p.set_hash(b, 9).unwrap(), Some(a));
+        assert_eq!(p.hash_of(b), None);
+        p.audit().unwrap();
+    }
+}

@@ -1,0 +1,1189 @@
+//! The vLLM-like engine core: waiting queue, running set, token budget, chunked prefill, LIFO
+//! preemption, prefix caching, and the handoff resources it owns (held prefills = source pins,
+//! destination reservations with their pending FIFO).
+//!
+//! ## Token model
+//! A request's known tokens are `input + generated`. While prefilling (`computed < input +
+//! generated`) it computes chunks; the chunk that reaches that target produces one output token
+//! (the first one, unless the request is recomputing after preemption). While decoding,
+//! `computed == input + generated − 1` and each step computes the last token's KV and produces
+//! the next. A request finishes when `generated == max(output_tokens, 1)`, so it never needs KV
+//! beyond `input + output − 1` tokens; a request (or handoff prefill: `input`) needing more
+//! blocks than the worker has is rejected at submit, because LIFO preemption of a lone request
+//! that can never complete would loop forever.
+//!
+//! ## Handoff resources
+//! * Source: a handoff prefill is an ordinary request until its terminal prefill chunk; then, in
+//!   the same step and before any completion, it leaves the running set (slot −1) and its block
+//!   references become `Pinned` references (`SourcePinned`). Release/cancel returns them to the
+//!   cache with their hashes.
+//! * Destination: a reservation holds `Reserved` references on the locally cached prefix plus
+//!   fresh hashless pages for the rest of the prompt; no slot. Activation turns them into
+//!   `Active` references, hashes and publishes the fresh pages, and queues the request as
+//!   computed but its last token (`computed = input − 1`, `generated = 0`): its first step
+//!   recomputes that token as decode work and emits the first output token on this worker.
+//! * The TRT-LLM backend refuses destination reservation with `CommandError::Unsupported`: the
+//!   proposal defers generation-side pre-allocation for it (see engine-semantics notes).
+//!
+//! ## Pending reservations
+//! FIFO, bounded by `max_pending_reservations`. Only the head is retried, at the end of every
+//! command and step, and only if the pool's capacity epoch (bumped whenever a block becomes
+//! unreferenced) moved since the head's last attempt. A later reservation never overtakes a
+//! queued one.
+//!
+//! ## Queues and their bounds
+//! * waiting: `max_waiting_requests`; a submit beyond it gets `RequestRejected{NoCapacity}` +
+//!   `Rejected` output and `Ok(Unavailable)`. Preempted requests (front) and activated
+//!   destinations (back) always re-enter: they were admitted already.
+//! * running: `max_num_seqs` (one request slot each).
+//! * pending reservations: `max_pending_reservations`; beyond it `Err(InvalidState)`.
+//! * A second live request with the same id is refused with `Err(InvalidState)`; for plain
+//!   `submit` the error names the nil handoff id (the contract has no request-level variant).
+//!
+//! ## Liveness
+//! Admission is FIFO and stops at the first waiting request that does not fit (vLLM's
+//! head-of-line blocking). One exception: when nothing is running, waiting requests that hold KV
+//! (activated destinations) may bypass a blocked head, because only running them releases their
+//! KV; if none fits, the first is admitted without compute and the next step's LIFO preemption
+//! returns its blocks to the cache. KV held by pins and reservations is released only by commands.
+//!
+//! ## Facts of a step (all observed at `at_ns + duration_ns`)
+//! `RequestPreempted` / `RequestScheduled` (with `KvRemoved` before any fact whose allocation
+//! evicted) in scheduling order, then `StepExecuted` (decode growth, prefill chunks of running
+//! requests, duplicate-hash adoption), `KvStored` for newly full blocks, then per request
+//! `FirstTokenEmitted`, `SourcePinned` or `RequestFinished`, then any reservation retry.
+
+use super::block_pool::{BlockId, BlockPool, IntBuild, Owner};
+use super::config::{ConfigError, VllmConfig};
+use crate::events::{BlockHash, EngineShape, Fact, KvDelta, RejectReason, TerminalStatus};
+use crate::ids::{
+    Backend, CancelReason, DestinationReservationId, EndReason, HandoffId, RequestId, SourceLeaseId, WorkerId,
+};
+use crate::projections::capacity::KvCapacitySnapshot;
+use crate::schedulers::request::{decode_block_hash, ROOT_HASH};
+use crate::schedulers::{
+    CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, Request,
+    ReservationSummary, SchedulerView, StepOutput, StepShape, TimingModel,
+};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SeqKind {
+    Plain,
+    Source { handoff: HandoffId, lease_ns: u64 },
+    Dest { handoff: HandoffId },
+}
+
+#[derive(Clone, Debug)]
+struct Seq {
+    req: Request,
+    /// Hashes of full blocks known so far (prompt blocks, then decode blocks as they fill).
+    hashes: Vec<BlockHash>,
+    blocks: Vec<BlockId>,
+    /// `blocks[..hashed]` carry their hash in the pool.
+    hashed: usize,
+    computed: u32,
+    generated: u32,
+    kind: SeqKind,
+}
+
+impl Seq {
+    fn prompt(&self) -> u32 {
+        self.req.input_tokens.max(1)
+    }
+    fn target(&self) -> u32 {
+        self.prompt().saturating_add(self.generated)
+    }
+    fn max_output(&self) -> u32 {
+        self.req.output_tokens.max(1)
+    }
+    /// Decoding means `computed == input + generated − 1`: only the last token's KV is missing.
+    /// Anything less (a fresh prompt, or a recompute after preemption) is prefill, whose final
+    /// chunk reaches `target()` and produces the next token.
+    fn is_prefilling(&self) -> bool {
+        let decode_at = if self.generated == 0 { self.prompt() } else { self.target() - 1 };
+        self.computed < decode_at
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Src {
+    /// Queued or computing: an ordinary request in waiting/running.
+    Live(RequestId),
+    Pinned {
+        lease: SourceLeaseId,
+        blocks: Vec<BlockId>,
+    },
+}
+
+#[derive(Clone, Debug)]
+enum Dst {
+    Pending {
+        request: Request,
+        deadline_ns: u64,
+        tried_epoch: Option<u64>,
+    },
+    Reserved {
+        reservation: DestinationReservationId,
+        request: Request,
+        blocks: Vec<BlockId>,
+        prefix_blocks: u32,
+    },
+    Activated(RequestId),
+}
+
+/// The vLLM-like core. See the module docs.
+#[derive(Clone)]
+pub struct VllmCore {
+    worker: WorkerId,
+    backend: Backend,
+    cfg: VllmConfig,
+    shape: EngineShape,
+    pool: BlockPool,
+    /// Requests in waiting or running, by id (lookup only).
+    seqs: HashMap<RequestId, Seq, IntBuild>,
+    /// Request ids this core holds in any form (seqs, pending or reserved destinations).
+    live: HashSet<RequestId, IntBuild>,
+    waiting: VecDeque<RequestId>,
+    /// In scheduling order; the last one is preempted first (LIFO).
+    running: Vec<RequestId>,
+    sources: BTreeMap<HandoffId, Src>,
+    pinned: u64,
+    dests: BTreeMap<HandoffId, Dst>,
+    pending: VecDeque<HandoffId>,
+    reserved: u64,
+    next_lease: u64,
+    next_reservation: u64,
+    internal_error: Option<String>,
+}
+
+fn slots(n: i32) -> KvDelta {
+    KvDelta { slots: n, ..KvDelta::ZERO }
+}
+
+fn nil_handoff() -> HandoffId {
+    HandoffId(uuid::Uuid::nil())
+}
+
+impl VllmCore {
+    pub fn new(worker: WorkerId, backend: Backend, config: VllmConfig) -> Result<Self, ConfigError> {
+        if backend == Backend::Sglang {
+            return Err(ConfigError::Backend(backend.as_str()));
+        }
+        config.validate()?;
+        let shape = EngineShape {
+            total_blocks: config.num_gpu_blocks,
+            block_size: config.block_size,
+            max_request_slots: config.max_num_seqs,
+            config_json: serde_json::to_string(&config).unwrap_or_default(),
+        };
+        Ok(VllmCore {
+            worker,
+            backend,
+            cfg: config,
+            shape,
+            pool: BlockPool::new(config.num_gpu_blocks),
+            seqs: HashMap::default(),
+            live: HashSet::default(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            sources: BTreeMap::new(),
+            pinned: 0,
+            dests: BTreeMap::new(),
+            pending: VecDeque::new(),
+            reserved: 0,
+            next_lease: 1,
+            next_reservation: 1,
+            internal_error: None,
+        })
+    }
+
+    pub fn config(&self) -> &VllmConfig {
+        &self.cfg
+    }
+
+    /// A broken internal invariant (never expected; tests assert it stays `None`).
+    pub fn internal_error(&self) -> Option<&str> {
+        self.internal_error.as_deref()
+    }
+
+    fn note_err<E: std::fmt::Display>(&mut self, r: Result<(), E>) {
+        if let Err(e) = r {
+            if self.internal_error.is_none() {
+                self.internal_error = Some(e.to_string());
+            }
+        }
+    }
+
+    fn bs(&self) -> u32 {
+        self.cfg.block_size
+    }
+
+    fn blocks_for(&self, tokens: u64) -> u64 {
+        tokens.div_ceil(self.bs() as u64)
+    }
+
+    /// Blocks a request needs at its largest (see module docs).
+    fn peak_blocks(&self, req: &Request, prefill_only: bool) -> u64 {
+        let input = req.input_tokens.max(1) as u64;
+        let tokens = if prefill_only { input } else { input + req.output_tokens.max(1) as u64 - 1 };
+        self.blocks_for(tokens)
+    }
+
+    fn prompt_hashes(&self, req: &Request) -> Vec<BlockHash> {
+        if self.cfg.enable_prefix_caching {
+            req.prompt_block_hashes(self.bs())
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn flush_removed(&mut self, fx: &mut Effects) {
+        let r = self.pool.take_removed();
+        if !r.is_empty() {
+            fx.facts.push(Fact::KvRemoved { blocks: r });
+        }
+    }
+
+    fn release_all(&mut self, blocks: &[BlockId], owner: Owner) {
+        // Reverse order: a request's tail blocks enter the LRU first and are evicted first,
+        // which keeps shared prefixes cached longest.
+        for &b in blocks.iter().rev() {
+            let r = self.pool.release(b, owner);
+            self.note_err(r);
+        }
+    }
+
+    /// Gives `seq`'s newly full blocks their hashes (adopting a canonical block on a duplicate
+    /// hash) and returns the runs to publish as `KvStored`.
+    fn hash_full_blocks(&mut self, id: RequestId, runs: &mut Vec<(Option<BlockHash>, Vec<BlockHash>)>) {
+        if !self.cfg.enable_prefix_caching {
+            return;
+        }
+        let bs = self.bs();
+        // Most decode steps fill no block: check before taking the request out of the map.
+        match self.seqs.get(&id) {
+            Some(s) if s.hashed < ((s.computed / bs) as usize).min(s.blocks.len()) => {}
+            _ => return,
+        }
+        let Some(mut s) = self.seqs.remove(&id) else { return };
+        let full = ((s.computed / bs) as usize).min(s.blocks.len());
+        let mut run: Option<(Option<BlockHash>, Vec<BlockHash>)> = None;
+        while s.hashed < full {
+            let b = s.hashed;
+            if s.hashes.len() <= b {
+                let parent = if b == 0 { ROOT_HASH } else { s.hashes[b - 1] };
+                s.hashes.push(decode_block_hash(parent, s.req.id, b as u32));
+            }
+            let h = s.hashes[b];
+            let blk = s.blocks[b];
+            match self.pool.set_hash(blk, h) {
+                Ok(None) => {
+                    let parent = if b == 0 { None } else { Some(s.hashes[b - 1]) };
+                    run.get_or_insert_with(|| (parent, Vec::new())).1.push(h);
+                }
+                Ok(Some(canonical)) => {
+                    // One physical block per hash: keep the canonical one, drop our copy.
+                    self.pool.acquire(canonical, Owner::Active);
+                    let r = self.pool.release(blk, Owner::Active);
+                    self.note_err(r);
+                    s.blocks[b] = canonical;
+                    if let Some(r) = run.take() {
+                        runs.push(r);
+                    }
+                }
+                Err(e) => self.note_err::<_>(Err(e)),
+            }
+            s.hashed += 1;
+        }
+        if let Some(r) = run.take() {
+            runs.push(r);
+        }
+        self.seqs.insert(id, s);
+    }
+
+    fn push_stored(fx: &mut Effects, runs: Vec<(Option<BlockHash>, Vec<BlockHash>)>) {
+        for (parent, blocks) in runs {
+            fx.facts.push(Fact::KvStored { parent, blocks });
+        }
+    }
+
+    /// Ends a request in waiting or running (cancel, completion): releases its blocks to the
+    /// cache, returns its slot if running, and forgets its handoff registration.
+    fn end_request(&mut self, id: RequestId, status: TerminalStatus, fx: &mut Effects) {
+        self.end_request_inner(id, status, fx, false);
+    }
+
+    /// `in_step`: the caller knows the request is running and removes ended requests from the
+    /// running list in one pass afterwards (keeps a step O(running) however many finish).
+    fn end_request_inner(&mut self, id: RequestId, status: TerminalStatus, fx: &mut Effects, in_step: bool) {
+        let Some(s) = self.seqs.remove(&id) else { return };
+        let was_running = if in_step {
+            true
+        } else if let Some(pos) = self.running.iter().rposition(|r| *r == id) {
+            self.running.remove(pos);
+            true
+        } else {
+            if let Some(pos) = self.waiting.iter().position(|r| *r == id) {
+                self.waiting.remove(pos);
+            }
+            false
+        };
+        self.release_all(&s.blocks, Owner::Active);
+        let mut kv = self.pool.take_delta();
+        if was_running {
+            kv = kv.plus(slots(-1));
+        }
+        fx.facts.push(Fact::RequestFinished { request: id, status, output_tokens: s.generated, kv });
+        fx.outputs.push(EngineOutput::Finished { request: id, status, output_tokens: s.generated });
+        self.live.remove(&id);
+        match s.kind {
+            SeqKind::Plain => {}
+            SeqKind::Source { handoff, .. } => {
+                self.sources.remove(&handoff);
+            }
+            SeqKind::Dest { handoff } => {
+                self.dests.remove(&handoff);
+            }
+        }
+    }
+
+    /// Preempts a running request (LIFO victim): blocks back to the cache, computed reset, front
+    /// of the waiting queue.
+    fn preempt(&mut self, id: RequestId, fx: &mut Effects, step_acc: &mut KvDelta) {
+        *step_acc = step_acc.plus(self.pool.take_delta());
+        let Some(mut s) = self.seqs.remove(&id) else { return };
+        if let Some(pos) = self.running.iter().rposition(|r| *r == id) {
+            self.running.remove(pos);
+        }
+        self.release_all(&s.blocks, Owner::Active);
+        s.blocks.clear();
+        s.hashed = 0;
+        s.computed = 0;
+        self.seqs.insert(id, s);
+        self.waiting.push_front(id);
+        let kv = self.pool.take_delta().plus(slots(-1));
+        fx.facts.push(Fact::RequestPreempted { request: id, kv });
+    }
+
+    /// Longest run of `hashes[..limit]` present in the pool, and how many of those blocks are
+    /// cached-free (taking them removes them from what an allocation could evict).
+    fn match_prefix(&self, hashes: &[BlockHash], limit: usize) -> (Vec<BlockId>, u64) {
+        let mut out = Vec::new();
+        let mut cached = 0;
+        for h in hashes.iter().take(limit) {
+            match self.pool.lookup(*h) {
+                Some(b) => {
+                    if self.pool.is_cached_free(b) {
+                        cached += 1;
+                    }
+                    out.push(b);
+                }
+                None => break,
+            }
+        }
+        (out, cached)
+    }
+
+    /// Tries to admit the waiting head. Returns the tokens it computes this step and whether
+    /// they are prefill tokens, or `None` if it does not fit (head-of-line blocking).
+    fn try_admit(
+        &mut self,
+        id: RequestId,
+        budget: u64,
+        fx: &mut Effects,
+        step_acc: &mut KvDelta,
+    ) -> Option<(u64, bool)> {
+        *step_acc = step_acc.plus(self.pool.take_delta());
+        let bs = self.bs() as u64;
+        let s = self.seqs.get(&id)?;
+        if !s.blocks.is_empty() && !s.is_prefilling() {
+            // An activated destination: KV already valid, decode one token.
+            let need = self.blocks_for(s.computed as u64 + 1).saturating_sub(s.blocks.len() as u64);
+            if self.pool.available() < need {
+                return None;
+            }
+            let cached_tokens = s.computed;
+            fx.facts.push(Fact::RequestScheduled { request: id, cached_tokens, kv: slots(1) });
+            self.grow(id, need, fx, step_acc);
+            return Some((1, false));
+        }
+        let target = s.target() as u64;
+        let limit = ((target - 1) / bs) as usize;
+        let (matched, matched_cached) =
+            if s.blocks.is_empty() { self.match_prefix(&s.hashes, limit) } else { (Vec::new(), 0) };
+        let start = if s.blocks.is_empty() { matched.len() as u64 * bs } else { s.computed as u64 };
+        let remaining = target.saturating_sub(start);
+        let chunk = if self.cfg.enable_chunked_prefill {
+            remaining.min(budget)
+        } else if remaining <= budget || budget == self.cfg.max_num_batched_tokens as u64 {
+            remaining
+        } else {
+            return None;
+        };
+        if chunk == 0 {
+            return None;
+        }
+        let have = s.blocks.len() as u64 + matched.len() as u64;
+        let need = self.blocks_for(start + chunk).saturating_sub(have);
+        if self.pool.available().saturating_sub(matched_cached) < need {
+            return None;
+        }
+        for &b in &matched {
+            self.pool.acquire(b, Owner::Active);
+        }
+        let mut fresh = Vec::with_capacity(need as usize);
+        for _ in 0..need {
+            match self.pool.alloc(Owner::Active) {
+                Some(b) => fresh.push(b),
+                None => self.note_err::<String>(Err("allocation failed after capacity check".into())),
+            }
+        }
+        let s = self.seqs.get_mut(&id)?;
+        if s.blocks.is_empty() {
+            s.hashed = matched.len();
+            s.computed = start as u32;
+        }
+        s.blocks.extend(matched);
+        s.blocks.extend(fresh);
+        let cached_tokens = start as u32;
+        self.flush_removed(fx);
+        let kv = self.pool.take_delta().plus(slots(1));
+        fx.facts.push(Fact::RequestScheduled { request: id, cached_tokens, kv });
+        Some((chunk, true))
+    }
+
+    /// See step 3 of [`EngineCore::step`]: only called with nothing running or scheduled.
+    fn unblock(
+        &mut self,
+        fx: &mut Effects,
+        step_acc: &mut KvDelta,
+        budget: u64,
+        scheduled: &mut Vec<(RequestId, u64, bool)>,
+    ) {
+        let with_kv: Vec<(usize, RequestId)> = self
+            .waiting
+            .iter()
+            .enumerate()
+            .filter(|(_, id)| self.seqs.get(id).map(|s| !s.blocks.is_empty()).unwrap_or(false))
+            .map(|(i, id)| (i, *id))
+            .collect();
+        for &(pos, id) in &with_kv {
+            if let Some((tokens, prefill)) = self.try_admit(id, budget, fx, step_acc) {
+                self.waiting.remove(pos);
+                self.running.push(id);
+                scheduled.push((id, tokens, prefill));
+                return;
+            }
+        }
+        if let Some(&(pos, id)) = with_kv.first() {
+            self.waiting.remove(pos);
+            self.running.push(id);
+            let cached_tokens = self.seqs.get(&id).map(|s| s.computed).unwrap_or(0);
+            fx.facts.push(Fact::RequestScheduled { request: id, cached_tokens, kv: slots(1) });
+        }
+    }
+
+    /// Allocates `need` fresh blocks for a running request's growth (delta into the step).
+    fn grow(&mut self, id: RequestId, need: u64, fx: &mut Effects, step_acc: &mut KvDelta) {
+        let mut fresh = Vec::with_capacity(need as usize);
+        for _ in 0..need {
+            match self.pool.alloc(Owner::Active) {
+                Some(b) => fresh.push(b),
+                None => self.note_err::<String>(Err("growth allocation failed after capacity check".into())),
+            }
+        }
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.blocks.extend(fresh);
+        }
+        *step_acc = step_acc.plus(self.pool.take_delta());
+        self.flush_removed(fx);
+    }
+
+    /// Reserves destination capacity for `req` if it fits now: cached prefix (Reserved refs)
+    /// plus fresh hashless pages. Returns (blocks, prefix_blocks, pages).
+    fn try_reserve(&mut self, req: &Request) -> Option<(Vec<BlockId>, u32, u32)> {
+        let hashes = self.prompt_hashes(req);
+        let total = self.blocks_for(req.input_tokens.max(1) as u64);
+        let (matched, matched_cached) = self.match_prefix(&hashes, hashes.len());
+        let pages = total.saturating_sub(matched.len() as u64);
+        // vLLM serves running requests before admitting new (remote-KV) ones: a reservation
+        // may not take the blocks the requests already admitted here need for their next
+        // token (one each), or every freed block would go to the pending FIFO and decode
+        // would thrash on preemption.
+        let growth_reserve = (self.running.len() + self.waiting.len()) as u64;
+        if self.pool.available().saturating_sub(matched_cached) < pages + growth_reserve {
+            return None;
+        }
+        for &b in &matched {
+            self.pool.acquire(b, Owner::Reserved);
+        }
+        let prefix_blocks = matched.len() as u32;
+        let mut blocks = matched;
+        for _ in 0..pages {
+            match self.pool.alloc(Owner::Reserved) {
+                Some(b) => blocks.push(b),
+                None => self.note_err::<String>(Err("reservation allocation failed after check".into())),
+            }
+        }
+        Some((blocks, prefix_blocks, pages as u32))
+    }
+
+    /// Records a successful reservation: fact, output, state.
+    fn book_reservation(
+        &mut self,
+        handoff: HandoffId,
+        request: Request,
+        deadline_ns: u64,
+        got: (Vec<BlockId>, u32, u32),
+        fx: &mut Effects,
+    ) {
+        let (blocks, prefix_blocks, pages) = got;
+        let reservation = DestinationReservationId(self.next_reservation);
+        self.next_reservation += 1;
+        let prefix_tokens = (prefix_blocks as u64 * self.bs() as u64).min(request.input_tokens as u64) as u32;
+        self.flush_removed(fx);
+        let kv = self.pool.take_delta();
+        fx.facts.push(Fact::DestinationReserved {
+            handoff,
+            request: request.id,
+            reservation,
+            pages,
+            prefix_blocks,
+            prefix_tokens,
+            deadline_ns,
+            kv,
+        });
+        let summary = ReservationSummary {
+            pages,
+            prefix_blocks,
+            prefix_tokens,
+            missing_tokens: request.input_tokens.saturating_sub(prefix_tokens),
+        };
+        fx.outputs.push(EngineOutput::DestinationReserved { handoff, reservation, summary });
+        self.reserved += 1;
+        self.dests.insert(handoff, Dst::Reserved { reservation, request, blocks, prefix_blocks });
+    }
+
+    /// Retries the pending FIFO's head while capacity changed since its last attempt.
+    fn retry_pending(&mut self, fx: &mut Effects) {
+        while let Some(&h) = self.pending.front() {
+            let (request, deadline_ns) = match self.dests.get(&h) {
+                Some(Dst::Pending { request, deadline_ns, tried_epoch }) => {
+                    if *tried_epoch == Some(self.pool.epoch()) {
+                        return;
+                    }
+                    (request.clone(), *deadline_ns)
+                }
+                _ => {
+                    // Not pending any more (cannot happen: cancel removes both); drop the entry.
+                    self.pending.pop_front();
+                    continue;
+                }
+            };
+            if self.peak_blocks(&request, true) > self.pool.total() {
+                self.pending.pop_front();
+                self.dests.remove(&h);
+                self.live.remove(&request.id);
+                fx.facts.push(Fact::ReservationDequeued {
+                    handoff: h,
+                    reason: CancelReason::DestinationRejected,
+                });
+                fx.outputs
+                    .push(EngineOutput::ReservationFailed { handoff: h, reason: RejectReason::NeverFits });
+                continue;
+            }
+            match self.try_reserve(&request) {
+                Some(got) => {
+                    self.pending.pop_front();
+                    self.book_reservation(h, request, deadline_ns, got, fx);
+                }
+                None => {
+                    let epoch = self.pool.epoch();
+                    if let Some(Dst::Pending { tried_epoch, .. }) = self.dests.get_mut(&h) {
+                        *tried_epoch = Some(epoch);
+                    }
+                    fx.facts.push(Fact::ReservationRefused { handoff: h, reason: RejectReason::NoCapacity });
+                    return;
+                }
+            }
+        }
+    }
+
+    fn finish_command(
+        &mut self,
+        outcome: Result<CommandOutcome, CommandError>,
+        mut fx: Effects,
+    ) -> CommandResult {
+        self.retry_pending(&mut fx);
+        CommandResult { outcome, effects: fx }
+    }
+
+    fn enqueue(
+        &mut self,
+        req: Request,
+        kind: SeqKind,
+        fx: &mut Effects,
+    ) -> Result<CommandOutcome, CommandError> {
+        let prefill_only = matches!(kind, SeqKind::Source { .. });
+        let needed = self.peak_blocks(&req, prefill_only);
+        if needed > self.pool.total() {
+            fx.facts.push(Fact::RequestRejected { request: req.id, reason: RejectReason::NeverFits });
+            fx.outputs.push(EngineOutput::Rejected { request: req.id, reason: RejectReason::NeverFits });
+            return Err(CommandError::NeverFits {
+                request: req.id,
+                needed_blocks: needed,
+                total_blocks: self.pool.total(),
+            });
+        }
+        if self.waiting.len() >= self.cfg.max_waiting_requests as usize {
+            fx.facts.push(Fact::RequestRejected { request: req.id, reason: RejectReason::NoCapacity });
+            fx.outputs.push(EngineOutput::Rejected { request: req.id, reason: RejectReason::NoCapacity });
+            return Ok(CommandOutcome::Unavailable);
+        }
+        let id = req.id;
+        let hashes = self.prompt_hashes(&req);
+        self.seqs
+            .insert(id, Seq { req, hashes, blocks: Vec::new(), hashed: 0, computed: 0, generated: 0, kind });
+        self.live.insert(id);
+        self.waiting.push_back(id);
+        fx.facts.push(Fact::RequestQueued { request: id });
+        Ok(CommandOutcome::Applied)
+    }
+
+    /// Recounts every block's owner references from the core's own owners (requests, pins,
+    /// reservations), derives each class by the precedence rule, and checks them against the
+    /// pool's counters and structures.
+    pub fn try_audit(&self) -> Result<KvCapacitySnapshot, String> {
+        let pool_snap = self.pool.audit().map_err(|e| e.to_string())?;
+        let n = self.pool.total() as usize;
+        let mut refs = vec![[0u32; 3]; n];
+        let mut add = |blocks: &[BlockId], o: Owner| -> Result<(), String> {
+            for &b in blocks {
+                let r = refs.get_mut(b as usize).ok_or_else(|| format!("block {b} out of range"))?;
+                r[o as usize] += 1;
+            }
+            Ok(())
+        };
+        for id in self.waiting.iter().chain(self.running.iter()) {
+            let s = self.seqs.get(id).ok_or_else(|| format!("{id} queued but unknown"))?;
+            add(&s.blocks, Owner::Active)?;
+        }
+        if self.seqs.len() != self.waiting.len() + self.running.len() {
+            return Err("a request is neither waiting nor running".into());
+        }
+        for src in self.sources.values() {
+            if let Src::Pinned { blocks, .. } = src {
+                add(blocks, Owner::Pinned)?;
+            }
+        }
+        for d in self.dests.values() {
+            if let Dst::Reserved { blocks, .. } = d {
+                add(blocks, Owner::Reserved)?;
+            }
+        }
+        let mut snap = KvCapacitySnapshot::empty(n as u64);
+        snap.free_blocks = 0;
+        for (b, r) in refs.iter().enumerate() {
+            if *r != self.pool.refs_of(b as BlockId) {
+                return Err(format!(
+                    "block {b}: owners hold {r:?}, pool counts {:?}",
+                    self.pool.refs_of(b as BlockId)
+                ));
+            }
+            if r[Owner::Active as usize] > 0 {
+                snap.active_blocks += 1;
+            } else if r[Owner::Reserved as usize] > 0 {
+                snap.reserved_destination_blocks += 1;
+            } else if r[Owner::Pinned as usize] > 0 {
+                snap.pinned_source_blocks += 1;
+            } else if self.pool.hash_of(b as BlockId).is_some() {
+                snap.cached_free_blocks += 1;
+            } else {
+                snap.free_blocks += 1;
+            }
+        }
+        snap.request_slots_used = self.running.len() as u64;
+        let mut p = pool_snap;
+        p.request_slots_used = snap.request_slots_used;
+        if p != snap {
+            return Err(format!("pool recount {p:?} != owner recount {snap:?}"));
+        }
+        let pinned = self.sources.values().filter(|s| matches!(s, Src::Pinned { .. })).count() as u64;
+        let reserved = self.dests.values().filter(|d| matches!(d, Dst::Reserved { .. })).count() as u64;
+        if pinned != self.pinned || reserved != self.reserved {
+            return Err("pin/reservation counters drifted".into());
+        }
+        Ok(snap)
+    }
+}
+
+impl EngineCore for VllmCore {
+    fn worker(&self) -> WorkerId {
+        self.worker
+    }
+
+    fn shape(&self) -> EngineShape {
+        self.shape.clone()
+    }
+
+    fn submit(&mut self, request: Request, _at_ns: u64) -> CommandResult {
+        let mut fx = Effects::default();
+        if self.live.contains(&request.id) {
+            // No request-level error variant in the shared contract: the nil handoff marks it.
+            let e = CommandError::InvalidState {
+                handoff: nil_handoff(),
+                command: "submit",
+                state: "request id already live",
+            };
+            return self.finish_command(Err(e), fx);
+        }
+        let outcome = self.enqueue(request, SeqKind::Plain, &mut fx);
+        self.finish_command(outcome, fx)
+    }
+
+    fn submit_handoff_prefill(
+        &mut self,
+        handoff: HandoffId,
+        request: Request,
+        lease_ns: u64,
+        _at_ns: u64,
+    ) -> CommandResult {
+        let mut fx = Effects::default();
+        if self.sources.contains_key(&handoff) {
+            return self.finish_command(Err(CommandError::DuplicateHandoff(handoff)), fx);
+        }
+        if self.live.contains(&request.id) {
+            let e = CommandError::InvalidState {
+                handoff,
+                command: "submit_handoff_prefill",
+                state: "request id already live",
+            };
+            return self.finish_command(Err(e), fx);
+        }
+        let id = request.id;
+        let outcome = self.enqueue(request, SeqKind::Source { handoff, lease_ns }, &mut fx);
+        if outcome == Ok(CommandOutcome::Applied) {
+            self.sources.insert(handoff, Src::Live(id));
+        }
+        self.finish_command(outcome, fx)
+    }
+
+    fn reserve_destination(
+        &mut self,
+        handoff: HandoffId,
+        request: Request,
+        deadline_ns: u64,
+        _at_ns: u64,
+    ) -> CommandResult {
+        let mut fx = Effects::default();
+        if self.backend == Backend::TrtLlm {
+            // The proposal defers generation-side pre-allocation for TRT-LLM.
+            let e = CommandError::Unsupported { backend: "trtllm", what: "destination reservation" };
+            return self.finish_command(Err(e), fx);
+        }
+        if self.dests.contains_key(&handoff) {
+            return self.finish_command(Err(CommandError::DuplicateHandoff(handoff)), fx);
+        }
+        if self.live.contains(&request.id) {
+            let e = CommandError::InvalidState {
+                handoff,
+                command: "reserve_destination",
+                state: "request id already live",
+            };
+            return self.finish_command(Err(e), fx);
+        }
+        let needed = self.peak_blocks(&request, false);
+        if needed > self.pool.total() {
+            let e = CommandError::NeverFits {
+                request: request.id,
+                needed_blocks: needed,
+                total_blocks: self.pool.total(),
+            };
+            return self.finish_command(Err(e), fx);
+        }
+        if !self.pending.is_empty() {
+            // FIFO: never overtake a queued reservation.
+            if self.pending.len() >= self.cfg.max_pending_reservations as usize {
+                let e = CommandError::InvalidState {
+                    handoff,
+                    command: "reserve_destination",
+                    state: "pending FIFO full",
+                };
+                return self.finish_command(Err(e), fx);
+            }
+            self.live.insert(request.id);
+            self.dests.insert(handoff, Dst::Pending { request, deadline_ns, tried_epoch: None });
+            self.pending.push_back(handoff);
+            fx.facts.push(Fact::ReservationQueued { handoff });
+            return self.finish_command(Ok(CommandOutcome::Unavailable), fx);
+        }
+        match self.try_reserve(&request) {
+            Some(got) => {
+                self.live.insert(request.id);
+                self.book_reservation(handoff, request, deadline_ns, got, &mut fx);
+                self.finish_command(Ok(CommandOutcome::Applied), fx)
+            }
+            None => {
+                self.live.insert(request.id);
+                let epoch = self.pool.epoch();
+                self.dests.insert(handoff, Dst::Pending { request, deadline_ns, tried_epoch: Some(epoch) });
+                self.pending.push_back(handoff);
+                fx.facts.push(Fact::ReservationQueued { handoff });
+                fx.facts.push(Fact::ReservationRefused { handoff, reason: RejectReason::NoCapacity });
+                self.finish_command(Ok(CommandOutcome::Unavailable), fx)
+            }
+        }
+    }
+
+    fn activate_destination(&mut self, handoff: HandoffId, _at_ns: u64) -> CommandResult {
+        let mut fx = Effects::default();
+        match self.dests.get(&handoff) {
+            None => return self.finish_command(Err(CommandError::UnknownHandoff(handoff)), fx),
+            Some(Dst::Pending { .. }) => {
+                let e = CommandError::InvalidState { handoff, command: "activate", state: "pending" };
+                return self.finish_command(Err(e), fx);
+            }
+            Some(Dst::Activated(_)) => return self.finish_command(Ok(CommandOutcome::NoOp), fx),
+            Some(Dst::Reserved { .. }) => {}
+        }
+        let Some(Dst::Reserved { reservation, request, blocks, prefix_blocks }) = self.dests.remove(&handoff)
+        else {
+            return self.finish_command(Err(CommandError::UnknownHandoff(handoff)), fx);
+        };
+        self.reserved -= 1;
+        for &b in &blocks {
+            let r = self.pool.rekind(b, Owner::Reserved, Owner::Active);
+            self.note_err(r);
+        }
+        let id = request.id;
+        let hashes = self.prompt_hashes(&request);
+        let prompt = request.input_tokens.max(1);
+        // Prefix blocks already carry their hashes (never republished); hashing starts at the
+        // first fresh page.
+        let prefix_hashed = prefix_blocks as usize;
+        self.seqs.insert(
+            id,
+            Seq {
+                req: request,
+                hashes,
+                blocks,
+                hashed: prefix_hashed,
+                // Like vLLM's decode after a remote load: every prompt token but the last is
+                // valid; the first step recomputes the last one into its existing slot and
+                // produces the first output token here (TTFT is observed on the decode worker).
+                computed: prompt - 1,
+                generated: 0,
+                kind: SeqKind::Dest { handoff },
+            },
+        );
+        // Every transferred prompt block is valid now (the last token's recompute rewrites a
+        // slot it already has), so publish them all at activation, once.
+        let mut runs = Vec::new();
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.computed = prompt;
+        }
+        self.hash_full_blocks(id, &mut runs);
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.computed = prompt - 1;
+        }
+        let kv = self.pool.take_delta();
+        fx.facts.push(Fact::DestinationActivated { handoff, reservation, kv });
+        Self::push_stored(&mut fx, runs);
+        self.waiting.push_back(id);
+        self.dests.insert(handoff, Dst::Activated(id));
+        let done = self.seqs.get(&id).map(|s| s.generated >= s.max_output()).unwrap_or(false);
+        if done {
+            // The prefill's first token was the only one asked for.
+            self.end_request(id, TerminalStatus::Completed, &mut fx);
+        }
+        self.finish_command(Ok(CommandOutcome::Applied), fx)
+    }
+
+    fn release_source(&mut self, handoff: HandoffId, reason: EndReason, _at_ns: u64) -> CommandResult {
+        let mut fx = Effects::default();
+        match self.sources.get(&handoff) {
+            None => return self.finish_command(Ok(CommandOutcome::NoOp), fx),
+            Some(Src::Live(_)) => {
+                let e = CommandError::InvalidState { handoff, command: "release_source", state: "computing" };
+                return self.finish_command(Err(e), fx);
+            }
+            Some(Src::Pinned { .. }) => {}
+        }
+        if let Some(Src::Pinned { lease, blocks }) = self.sources.remove(&handoff) {
+            self.release_all(&blocks, Owner::Pinned);
+            self.pinned -= 1;
+            let kv = self.pool.take_delta();
+            fx.facts.push(Fact::SourceReleased { handoff, lease, reason, kv });
+        }
+        self.finish_command(Ok(CommandOutcome::Applied), fx)
+    }
+
+    fn cancel_source(&mut self, handoff: HandoffId, reason: CancelReason, _at_ns: u64) -> CommandResult {
+        let mut fx = Effects::default();
+        match self.sources.get(&handoff).cloned() {
+            None => self.finish_command(Ok(CommandOutcome::NoOp), fx),
+            Some(Src::Live(id)) => {
+                // Queued: dropped; computing: aborted. Either way its blocks return at once.
+                self.end_request(id, TerminalStatus::Canceled, &mut fx);
+                self.sources.remove(&handoff);
+                self.finish_command(Ok(CommandOutcome::Applied), fx)
+            }
+            Some(Src::Pinned { lease, blocks }) => {
+                self.sources.remove(&handoff);
+                self.release_all(&blocks, Owner::Pinned);
+                self.pinned -= 1;
+                let kv = self.pool.take_delta();
+                fx.facts.push(Fact::SourceReleased {
+                    handoff,
+                    lease,
+                    reason: EndReason::Canceled(reason),
+                    kv,
+                });
+                self.finish_command(Ok(CommandOutcome::Applied), fx)
+            }
+        }
+    }
+
+    fn cancel_destination(&mut self, handoff: HandoffId, reason: CancelReason, _at_ns: u64) -> CommandResult {
+        let mut fx = Effects::default();
+        match self.dests.remove(&handoff) {
+            None => self.finish_command(Ok(CommandOutcome::NoOp), fx),
+            Some(Dst::Pending { request, .. }) => {
+                if let Some(pos) = self.pending.iter().position(|h| *h == handoff) {
+                    self.pending.remove(pos);
+                }
+                self.live.remove(&request.id);
+                fx.facts.push(Fact::ReservationDequeued { handoff, reason });
+                self.finish_command(Ok(CommandOutcome::Applied), fx)
+            }
+            Some(Dst::Reserved { reservation, request, blocks, .. }) => {
+                self.release_all(&blocks, Owner::Reserved);
+                self.reserved -= 1;
+                self.live.remove(&request.id);
+                let kv = self.pool.take_delta();
+                fx.facts.push(Fact::ReservationReleased {
+                    handoff,
+                    reservation,
+                    reason: EndReason::Canceled(reason),
+                    kv,
+                });
+                self.finish_command(Ok(CommandOutcome::Applied), fx)
+            }
+            Some(Dst::Activated(id)) => {
+                self.end_request(id, TerminalStatus::Canceled, &mut fx);
+                self.finish_command(Ok(CommandOutcome::Applied), fx)
+            }
+        }
+    }
+
+    fn step(&mut self, at_ns: u64) -> StepOutput {
+        let mut fx = Effects::default();
+        let mut step_acc = self.pool.take_delta();
+        let mut budget = self.cfg.max_num_batched_tokens as u64;
+        let mut scheduled: Vec<(RequestId, u64, bool)> = Vec::with_capacity(self.running.len() + 8);
+        let mut preempted = false;
+
+        // 1. Running requests, in scheduling order; make room by preempting from the back.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let Some(s) = self.seqs.get(&id) else {
+                i += 1;
+                continue;
+            };
+            let (tokens, prefill) = if s.is_prefilling() {
+                let remaining = (s.target() - s.computed) as u64;
+                (remaining.min(budget), true)
+            } else {
+                (1, false)
+            };
+            let kv_tokens = s.computed as u64 + tokens;
+            let need = self.blocks_for(kv_tokens).saturating_sub(s.blocks.len() as u64);
+            let mut self_preempted = false;
+            while self.pool.available() < need {
+                let Some(&victim) = self.running.last() else { break };
+                self.preempt(victim, &mut fx, &mut step_acc);
+                preempted = true;
+                if victim == id {
+                    self_preempted = true;
+                    break;
+                }
+            }
+            if self_preempted || self.pool.available() < need {
+                break;
+            }
+            self.grow(id, need, &mut fx, &mut step_acc);
+            budget = budget.saturating_sub(tokens);
+            scheduled.push((id, tokens, prefill));
+            i += 1;
+        }
+
+        // 2. Waiting requests, FIFO, unless this step preempted (vLLM does not admit then).
+        if !preempted {
+            while budget > 0 && self.running.len() < self.cfg.max_num_seqs as usize {
+                let Some(&id) = self.waiting.front() else { break };
+                let Some((tokens, prefill)) = self.try_admit(id, budget, &mut fx, &mut step_acc) else {
+                    break;
+                };
+                self.waiting.pop_front();
+                self.running.push(id);
+                budget = budget.saturating_sub(tokens);
+                scheduled.push((id, tokens, prefill));
+            }
+        }
+
+        // 3. Liveness: nothing runs and the head is blocked. Waiting requests that hold KV
+        // (activated destinations) can only give it back by running, so the first of them that
+        // fits bypasses the head; if none fits, the first is admitted without compute and the
+        // next step's LIFO preemption returns its blocks to the cache.
+        if !preempted && self.running.is_empty() && scheduled.is_empty() && budget > 0 {
+            self.unblock(&mut fx, &mut step_acc, budget, &mut scheduled);
+        }
+
+        if scheduled.is_empty() {
+            // Nothing runnable now (empty, or the head waits for capacity held elsewhere).
+            self.retry_pending(&mut fx);
+            return StepOutput { effects: fx, duration_ns: 0 };
+        }
+
+        // 4. Compute: advance tokens, hash and publish newly full blocks.
+        let mut prefill_tokens = 0u64;
+        let mut decode_tokens = 0u64;
+        let mut produced: Vec<RequestId> = Vec::new();
+        let mut runs = Vec::new();
+        for &(id, tokens, prefill) in &scheduled {
+            let Some(s) = self.seqs.get_mut(&id) else { continue };
+            if prefill {
+                let target = s.target();
+                // An activated destination's one-token recompute costs a decode step, not a
+                // prefill (its KV arrived by transfer).
+                let remote_tail = matches!(s.kind, SeqKind::Dest { .. })
+                    && s.generated == 0
+                    && tokens == 1
+                    && s.computed + 1 == s.prompt();
+                s.computed = s.computed.saturating_add(tokens as u32);
+                if remote_tail {
+                    decode_tokens += tokens;
+                } else {
+                    prefill_tokens += tokens;
+                }
+                if s.computed >= target {
+                    s.generated += 1;
+                    produced.push(id);
+                }
+            } else {
+                s.computed += 1;
+                s.generated += 1;
+                decode_tokens += 1;
+                produced.push(id);
+            }
+            self.hash_full_blocks(id, &mut runs);
+        }
+        step_acc = step_acc.plus(self.pool.take_delta());
+        let bs = self.bs() as u64;
+        let shape = StepShape {
+            prefill_tokens,
+            decode_requests: decode_tokens,
+            active_kv_tokens: self.pool.active_blocks() * bs,
+            total_kv_tokens: self.pool.total() * bs,
+        };
+        let duration_ns = self.cfg.timing.step_ns(&shape);
+        fx.facts.push(Fact::StepExecuted {
+            prefill_tokens: prefill_tokens as u32,
+            decode_tokens: decode_tokens as u32,
+            batch_size: scheduled.len() as u32,
+            duration_ns,
+            kv: step_acc,
+        });
+        Self::push_stored(&mut fx, runs);
+
+        // 5. Tokens produced: first tokens, pins, completions.
+        let end_ns = at_ns.saturating_add(duration_ns);
+        let mut left_running = false;
+        for id in produced {
+            let Some(s) = self.seqs.get(&id) else { continue };
+            let first = s.generated == 1;
+            let kind = s.kind;
+            let done = s.generated >= s.max_output();
+            if first {
+                fx.facts.push(Fact::FirstTokenEmitted { request: id });
+                fx.outputs.push(EngineOutput::FirstToken { request: id });
+            }
+            match kind {
+                SeqKind::Source { handoff, lease_ns } => {
+                    // Terminal prefill → held-prefill ownership, one transition, no completion.
+                    let Some(s) = self.seqs.remove(&id) else { continue };
+                    for &b in &s.blocks {
+                        let r = self.pool.rekind(b, Owner::Active, Owner::Pinned);
+                        self.note_err(r);
+                    }
+                    left_running = true;
+                    self.live.remove(&id);
+                    let lease = SourceLeaseId(self.next_lease);
+                    self.next_lease += 1;
+                    let deadline_ns = end_ns.saturating_add(lease_ns);
+                    let blocks = s.blocks.len() as u32;
+                    let kv = self.pool.take_delta().plus(slots(-1));
+                    fx.facts.push(Fact::SourcePinned {
+                        handoff,
+                        request: id,
+                        lease,
+                        blocks,
+                        deadline_ns,
+                        kv,
+                    });
+                    fx.outputs.push(EngineOutput::SourcePinned {
+                        handoff,
+                        request: id,
+                        lease,
+                        blocks,
+                        deadline_ns,
+                    });
+                    self.sources.insert(handoff, Src::Pinned { lease, blocks: s.blocks });
+                    self.pinned += 1;
+                }
+                _ if done => {
+                    self.end_request_inner(id, TerminalStatus::Completed, &mut fx, true);
+                    left_running = true;
+                }
+                _ => {}
+            }
+        }
+        if left_running {
+            let seqs = &self.seqs;
+            self.running.retain(|r| seqs.contains_key(r));
+        }
+        self.retry_pending(&mut fx);
+        StepOutput { effects: fx, duration_ns }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    fn is_drained(&self) -> bool {
+        self.is_empty() && self.sources.is_empty() && self.dests.is_empty() && self.pending.is_empty()
+    }
+
+    fn snapshot(&self) -> KvCapacitySnapshot {
+        let mut s = self.pool.snapshot_blocks();
+        s.request_slots_used = self.running.len() as u64;
+        s
+    }
+
+    fn audit(&self) -> KvCapacitySnapshot {
+        // A failed audit returns an impossible snapshot (zero total) so it never equals snapshot().
+        self.try_audit().unwrap_or_default()
+    }
+
+    fn view(&self) -> SchedulerView {
+        SchedulerView {
+            waiting: self.waiting.len() as u64,
+            running: self.running.len() as u64,
+            waiting_for_remote_kv: self.reserved,
+            held_prefills: self.pinned,
+            pending_reservations: self.pending.len() as u64,
+        }
+    }
+}

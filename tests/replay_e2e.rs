@@ -1,0 +1,479 @@
+//! End-to-end replay tests: the binary on committed fixture traces, checked through the logs it
+//! writes (folded with the library's own projections).
+
+use assert_cmd::Command;
+use handoff_ledger::events::{Fact, MessageKind, RunReader};
+use handoff_ledger::ids::{EndReason, HandoffId, RequestId, Role, WorkerId};
+use handoff_ledger::projections::run::{project_capacity, project_handoffs};
+use predicates::prelude::*;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+fn cli() -> Command {
+    Command::cargo_bin("handoff-log").unwrap()
+}
+
+fn fixture(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(rel)
+}
+
+/// Replays and returns the report JSON; panics with stderr on failure.
+fn replay(trace: &str, args: &[&str], out: &Path) -> Value {
+    let report = out.with_extension("report.json");
+    let o = cli()
+        .arg("replay")
+        .arg(fixture(trace))
+        .args(args)
+        .arg("--out")
+        .arg(out)
+        .arg("--report-json")
+        .arg(&report)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "replay failed: {}\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        String::from_utf8_lossy(&o.stdout)
+    );
+    serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap()
+}
+
+/// Every record of a run as (worker, at_ns, fact), in merge order.
+fn records(run: &Path) -> Vec<(WorkerId, u64, Fact)> {
+    let mut r = RunReader::open(run).unwrap();
+    let workers: Vec<WorkerId> = r.headers().iter().map(|h| h.worker).collect();
+    let mut out = Vec::new();
+    while let Some((i, rec)) = r.next().unwrap() {
+        out.push((workers[i], rec.at_ns, rec.fact));
+    }
+    out
+}
+
+fn dir_bytes(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "hlog"))
+        .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read(&p).unwrap()))
+        .collect()
+}
+
+const SMALL: &[&str] = &["--prefill", "2", "--decode", "2"];
+
+#[test]
+fn same_trace_config_and_seed_give_byte_identical_logs() {
+    let t = tempfile::tempdir().unwrap();
+    for backend in ["vllm", "sglang"] {
+        let a = t.path().join(format!("{backend}-a"));
+        let b = t.path().join(format!("{backend}-b"));
+        let c = t.path().join(format!("{backend}-c"));
+        let args = [SMALL, &["--backend", backend, "--seed", "7", "--router", "kv"]].concat();
+        replay("traces/mooncake-200.jsonl", &args, &a);
+        replay("traces/mooncake-200.jsonl", &args, &b);
+        let (ba, bb) = (dir_bytes(&a), dir_bytes(&b));
+        assert_eq!(ba.len(), 5);
+        assert!(ba == bb, "{backend}: logs differ between two identical replays");
+        let other = [SMALL, &["--backend", backend, "--seed", "8", "--router", "kv"]].concat();
+        replay("traces/mooncake-200.jsonl", &other, &c);
+        assert!(dir_bytes(&c) != ba, "{backend}: the seed must matter (HandoffIds come from it)");
+    }
+}
+
+#[test]
+fn folding_the_logs_reproduces_the_printed_report() {
+    let t = tempfile::tempdir().unwrap();
+    for backend in ["vllm", "sglang"] {
+        let out = t.path().join(backend);
+        let report = replay("traces/mooncake-200.jsonl", &[SMALL, &["--backend", backend]].concat(), &out);
+        let o = cli().arg("project").arg(&out).args(["metrics", "--json"]).output().unwrap();
+        assert!(o.status.success());
+        let projected: Value = serde_json::from_slice(&o.stdout).unwrap();
+        let mut report = report.as_object().unwrap().clone();
+        for k in ["wall_time_ms", "drained", "events", "log_dir"] {
+            assert!(report.remove(k).is_some(), "report lacks {k}");
+        }
+        assert_eq!(Value::Object(report), projected, "{backend}");
+        assert_eq!(projected["completed_requests"], 200);
+        assert!(projected["mean_ttft_ms"].as_f64().unwrap() > 0.0);
+        assert!(projected["mean_itl_ms"].as_f64().unwrap() > 0.0);
+    }
+}
+
+/// Per handoff: the time of each fact kind (first occurrence).
+fn milestones(recs: &[(WorkerId, u64, Fact)]) -> BTreeMap<HandoffId, BTreeMap<&'static str, (usize, u64)>> {
+    let mut m: BTreeMap<HandoffId, BTreeMap<&'static str, (usize, u64)>> = BTreeMap::new();
+    for (i, (_, at, f)) in recs.iter().enumerate() {
+        if let Some(h) = f.handoff() {
+            m.entry(h).or_default().entry(f.name()).or_insert((i, *at));
+        }
+    }
+    m
+}
+
+#[test]
+fn sglang_never_dispatches_a_prefill_before_its_destination_is_reserved() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    replay(
+        "traces/cascade.jsonl",
+        &["--config", fixture("configs/cascade.json").to_str().unwrap(), "--backend", "sglang"],
+        &out,
+    );
+    let recs = records(&out);
+    let m = milestones(&recs);
+    assert_eq!(m.len(), 240);
+    let mut waited = 0;
+    for (h, ms) in &m {
+        let reserved = ms.get("DestinationReserved").unwrap_or_else(|| panic!("{h} never reserved"));
+        let dispatched = ms.get("PrefillDispatched").unwrap_or_else(|| panic!("{h} never dispatched"));
+        assert!(reserved.1 <= dispatched.1, "{h}: prefill dispatched before reservation");
+        // Streams merge by time, so causality at one instant is checked inside the prefill
+        // stream: the reservation message arrived before the dispatch.
+        let heard = recs.iter().position(|(w, _, f)| {
+            w.role == Role::Prefill
+                && matches!(f, Fact::MessageReceived { handoff, kind: MessageKind::DestinationReserved, .. } if handoff == h)
+        });
+        assert!(
+            heard.is_some_and(|i| i < dispatched.0),
+            "{h}: dispatched before the source heard of the reservation"
+        );
+        if ms.contains_key("ReservationQueued") {
+            waited += 1;
+        }
+    }
+    assert!(waited > 100, "decode capacity must gate prefill for most requests (waited: {waited})");
+}
+
+#[test]
+fn vllm_pins_first_then_reserves_activates_and_releases_in_that_order() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    replay("traces/mooncake-200.jsonl", &[SMALL, &["--backend", "vllm"]].concat(), &out);
+    let mut run = RunReader::open(&out).unwrap();
+    let ledger = project_handoffs(&mut run).unwrap();
+    assert_eq!(ledger.entries().len(), 200);
+    for (h, e) in ledger.entries() {
+        assert_eq!(
+            e.normalized(),
+            [
+                "SourceHeld",
+                "DestinationAccepted",
+                "DestinationReserved",
+                "DestinationActivated",
+                "SourceReleased",
+                "Completed"
+            ],
+            "{h}"
+        );
+        assert_eq!(e.source_end, Some(EndReason::Success));
+    }
+}
+
+#[test]
+fn bookings_free_exactly_once_at_the_proposals_milestones() {
+    let t = tempfile::tempdir().unwrap();
+    for backend in ["vllm", "sglang"] {
+        let out = t.path().join(backend);
+        replay("traces/mooncake-200.jsonl", &[SMALL, &["--backend", backend]].concat(), &out);
+        let recs = records(&out);
+        let mut booked: BTreeMap<(RequestId, &str), i32> = BTreeMap::new();
+        let mut compute_done: BTreeMap<RequestId, u64> = BTreeMap::new();
+        let mut prefill_freed: BTreeMap<RequestId, u64> = BTreeMap::new();
+        let mut released: BTreeMap<RequestId, u64> = BTreeMap::new();
+        let mut handoff_req: BTreeMap<HandoffId, RequestId> = BTreeMap::new();
+        for (w, at, f) in &recs {
+            match f {
+                Fact::PrefillBooked { request, .. } => *booked.entry((*request, "p")).or_default() += 1,
+                Fact::PrefillBookingFreed { request, .. } => {
+                    *booked.entry((*request, "p")).or_default() -= 1;
+                    prefill_freed.insert(*request, *at);
+                }
+                Fact::DecodeBooked { request, .. } => *booked.entry((*request, "d")).or_default() += 1,
+                Fact::DecodeBookingFreed { request, .. } => *booked.entry((*request, "d")).or_default() -= 1,
+                Fact::PrefillComputeDone { request, .. } => {
+                    compute_done.insert(*request, *at);
+                }
+                Fact::HandoffStarted { handoff, request, .. } => {
+                    handoff_req.insert(*handoff, *request);
+                }
+                Fact::SourceReleased { handoff, .. } if w.role == Role::Prefill => {
+                    released.insert(handoff_req[handoff], *at);
+                }
+                _ => {}
+            }
+        }
+        assert_eq!(booked.len(), 400, "{backend}: one prefill and one decode booking per request");
+        assert!(booked.values().all(|v| *v == 0), "{backend}: every booking freed exactly once");
+        for (r, freed) in &prefill_freed {
+            // Compute load drops at prefill completion; the booking stays until the source is released.
+            assert!(compute_done[r] <= *freed, "{backend} {r}");
+            assert_eq!(released[r], *freed, "{backend} {r}: prefill booking freed at source release");
+        }
+    }
+}
+
+#[test]
+fn capacity_is_conserved_and_everything_drains() {
+    let t = tempfile::tempdir().unwrap();
+    for backend in ["vllm", "sglang"] {
+        let out = t.path().join(backend);
+        replay(
+            "traces/mooncake-200.jsonl",
+            &[SMALL, &["--backend", backend, "--router", "kv"]].concat(),
+            &out,
+        );
+        let mut run = RunReader::open(&out).unwrap();
+        let rows = project_capacity(&mut run).expect("conservation and non-negativity hold in every stream");
+        assert_eq!(rows.len(), 4);
+        for r in rows {
+            assert_eq!(r.last.kv_used_blocks(), 0, "{backend} {}: drained", r.worker);
+            assert_eq!(r.last.request_slots_used, 0);
+            assert_eq!(r.last.decode_headroom_tokens, 0);
+            assert!(r.peak_kv_used.blocks > 0);
+        }
+    }
+}
+
+#[test]
+fn a_malformed_trace_line_is_named() {
+    let t = tempfile::tempdir().unwrap();
+    cli()
+        .arg("replay")
+        .arg(fixture("traces/malformed-json.jsonl"))
+        .args(SMALL)
+        .arg("--out")
+        .arg(t.path().join("x"))
+        .assert()
+        .code(2)
+        .stderr(
+            predicate::str::contains("malformed-json.jsonl:")
+                .and(predicate::str::is_match(r"\.jsonl:\d+: ").unwrap()),
+        );
+}
+
+#[test]
+fn an_invalid_configuration_is_refused_with_its_reason() {
+    let t = tempfile::tempdir().unwrap();
+    let cfg = t.path().join("bad.json");
+    std::fs::write(&cfg, r#"{ "prefill_workers": 2, "decode_workers": 2, "lease_msec": 5 }"#).unwrap();
+    cli()
+        .arg("replay")
+        .arg(fixture("traces/mooncake-200.jsonl"))
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--out")
+        .arg(t.path().join("x"))
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("bad.json").and(predicate::str::contains("lease_msec")));
+    cli()
+        .arg("replay")
+        .arg(fixture("traces/mooncake-200.jsonl"))
+        .args(["--prefill", "2", "--decode", "0", "--out"])
+        .arg(t.path().join("y"))
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("prefill and decode workers"));
+}
+
+#[test]
+fn aggregated_serving_has_no_handoffs() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("agg");
+    let report = replay("traces/mooncake-200.jsonl", &["--workers", "2"], &out);
+    assert_eq!(report["completed_requests"], 200);
+    assert_eq!(report["handoffs_started"], 0);
+    assert!(records(&out).iter().all(|(_, _, f)| f.handoff().is_none()));
+    assert!(report["mean_ttft_ms"].as_f64().unwrap() > 0.0);
+}
+
+/// Per prefill worker: the longest time a request waited between being queued and scheduled,
+/// and the pinned share of the worker's blocks at that moment's start.
+fn prefill_admission(run: &Path) -> (BTreeMap<WorkerId, f64>, BTreeMap<WorkerId, u64>, u64) {
+    let mut r = RunReader::open(run).unwrap();
+    let headers = r.headers().to_vec();
+    let mut queued: BTreeMap<RequestId, u64> = BTreeMap::new();
+    let mut pinned: BTreeMap<WorkerId, i64> = BTreeMap::new();
+    let mut peak_share: BTreeMap<WorkerId, f64> = BTreeMap::new();
+    let mut longest_wait: BTreeMap<WorkerId, u64> = BTreeMap::new();
+    let mut total = 0;
+    while let Some((i, rec)) = r.next().unwrap() {
+        let h = &headers[i];
+        if h.worker.role != Role::Prefill {
+            continue;
+        }
+        total = h.engine.total_blocks as u64;
+        let p = pinned.entry(h.worker).or_default();
+        *p += rec.fact.kv_delta().pinned_source as i64;
+        let share = *p as f64 / total as f64;
+        let peak = peak_share.entry(h.worker).or_default();
+        *peak = peak.max(share);
+        match rec.fact {
+            Fact::RequestQueued { request } => {
+                queued.insert(request, rec.at_ns);
+            }
+            Fact::RequestScheduled { request, .. } => {
+                if let Some(q) = queued.remove(&request) {
+                    let w = longest_wait.entry(h.worker).or_default();
+                    *w = (*w).max(rec.at_ns - q);
+                }
+            }
+            _ => {}
+        }
+    }
+    (peak_share, longest_wait, total)
+}
+
+fn ttft_by_arrival(per_request: &Path) -> Vec<f64> {
+    let mut rows: Vec<(u64, f64)> = std::fs::read_to_string(per_request)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter_map(|v| Some((v["request_id"].as_u64()?, v["ttft_ms"].as_f64()?)))
+        .collect();
+    rows.sort_by_key(|r| r.0);
+    rows.into_iter().map(|r| r.1).collect()
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+#[test]
+fn the_cascade_fixture_strands_vllm_prefill_and_gates_sglang_ahead_of_prefill() {
+    let t = tempfile::tempdir().unwrap();
+    let cfg = fixture("configs/cascade.json");
+    let cfg = cfg.to_str().unwrap();
+    let mut out = BTreeMap::new();
+    for backend in ["vllm", "sglang"] {
+        let run = t.path().join(backend);
+        let pr = t.path().join(format!("{backend}.jsonl"));
+        let report = replay(
+            "traces/cascade.jsonl",
+            &["--config", cfg, "--backend", backend, "--per-request", pr.to_str().unwrap()],
+            &run,
+        );
+        let (peak_share, longest_wait, _) = prefill_admission(&run);
+        let ttft = ttft_by_arrival(&pr);
+        out.insert(backend, (report, peak_share, longest_wait, ttft));
+    }
+    // vLLM: pinned sources fill both prefill workers, prefill admission stalls behind them,
+    // and TTFT climbs as the backlog grows.
+    let (_, peak, wait, ttft) = &out["vllm"];
+    for (w, share) in peak {
+        assert!(*share >= 0.9, "vllm {w}: pinned source blocks peaked at {:.0}%", share * 100.0);
+        assert!(
+            wait[w] > 10_000_000_000,
+            "vllm {w}: prefill admission never stalled (longest wait {} ms)",
+            wait[w] / 1_000_000
+        );
+    }
+    let early = median(&ttft[..20]);
+    let late = median(&ttft[ttft.len() - 40..]);
+    assert!(late > 20.0 * early, "vllm TTFT must climb: early {early:.0} ms, late {late:.0} ms");
+    // SGLang: the same overload waits in the decode reservation FIFO, ahead of prefill; the
+    // prefill workers never fill with pins and admit promptly.
+    let (report, peak, wait, _) = &out["sglang"];
+    for (w, share) in peak {
+        assert!(*share <= 0.3, "sglang {w}: pinned share {:.0}%", share * 100.0);
+        assert!(wait[w] < 1_000_000_000, "sglang {w}: prefill admission waited {} ms", wait[w] / 1_000_000);
+    }
+    assert!(report["reservation_wait_ms"].is_null());
+    assert!(report["mean_reservation_wait_ms"].as_f64().unwrap() > 10_000.0, "gating ahead of prefill");
+    assert_eq!(report["completed_requests"], 240);
+}
+
+/// Ends of pins and reservations per handoff, counted from the facts.
+fn ends(
+    recs: &[(WorkerId, u64, Fact)],
+) -> (BTreeMap<HandoffId, Vec<EndReason>>, BTreeMap<HandoffId, Vec<EndReason>>) {
+    let mut pins: BTreeMap<HandoffId, Vec<EndReason>> = BTreeMap::new();
+    let mut res: BTreeMap<HandoffId, Vec<EndReason>> = BTreeMap::new();
+    for (_, _, f) in recs {
+        match f {
+            Fact::SourceReleased { handoff, reason, .. } => pins.entry(*handoff).or_default().push(*reason),
+            Fact::ReservationReleased { handoff, reason, .. } => {
+                res.entry(*handoff).or_default().push(*reason)
+            }
+            Fact::DestinationActivated { handoff, .. } => {
+                res.entry(*handoff).or_default().push(EndReason::Success)
+            }
+            _ => {}
+        }
+    }
+    (pins, res)
+}
+
+#[test]
+fn a_destination_that_never_frees_unwinds_by_lease_expiry_without_stalling() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    let cfg = fixture("configs/cascade-short-lease.json");
+    let report =
+        replay("traces/cascade.jsonl", &["--config", cfg.to_str().unwrap(), "--backend", "vllm"], &out);
+    let expired = report["leases_expired"].as_u64().unwrap();
+    assert!(expired > 50, "decode stays full far longer than the 2 s lease ({expired} expired)");
+    assert_eq!(report["failed_requests"].as_u64().unwrap(), expired, "each expiry fails its request");
+    assert_eq!(report["completed_requests"].as_u64().unwrap() + expired, 240);
+    assert_eq!(report["drained"], true);
+    let recs = records(&out);
+    let (pins, res) = ends(&recs);
+    assert_eq!(pins.len(), 240);
+    for (h, e) in &pins {
+        assert_eq!(e.len(), 1, "{h}: a pin ends exactly once");
+    }
+    assert_eq!(pins.values().filter(|e| e[0] == EndReason::Expired).count() as u64, expired);
+    for (h, e) in &res {
+        assert_eq!(e.len(), 1, "{h}: a reservation ends exactly once");
+    }
+    // An expired handoff's destination, still waiting in the FIFO, leaves it without reserving.
+    let dequeued = recs.iter().filter(|(_, _, f)| matches!(f, Fact::ReservationDequeued { .. })).count();
+    assert!(dequeued > 0);
+    let mut run = RunReader::open(&out).unwrap();
+    for r in project_capacity(&mut run).unwrap() {
+        assert_eq!(r.last.kv_used_blocks(), 0, "{}", r.worker);
+    }
+}
+
+#[test]
+fn lease_renewal_keeps_a_waiting_source_alive() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    let cfg = fixture("configs/cascade-renewed-lease.json");
+    let report =
+        replay("traces/cascade.jsonl", &["--config", cfg.to_str().unwrap(), "--backend", "vllm"], &out);
+    assert_eq!(report["leases_expired"], 0);
+    assert_eq!(report["completed_requests"], 240);
+    let renewed = records(&out).iter().filter(|(_, _, f)| matches!(f, Fact::LeaseRenewed { .. })).count();
+    assert!(renewed > 100, "the destinations renewed while they waited ({renewed})");
+}
+
+#[test]
+fn an_expired_reservation_is_released_exactly_once_and_fails_its_request() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    let cfg = fixture("configs/cascade-short-reservation.json");
+    let report =
+        replay("traces/cascade.jsonl", &["--config", cfg.to_str().unwrap(), "--backend", "sglang"], &out);
+    let expired = report["reservations_expired"].as_u64().unwrap();
+    assert!(expired > 100, "a slow prefill leaves reservations waiting past their deadline");
+    assert!(report["completed_requests"].as_u64().unwrap() >= 1);
+    assert_eq!(report["failed_requests"].as_u64().unwrap(), expired);
+    let recs = records(&out);
+    let (pins, res) = ends(&recs);
+    for (h, e) in &res {
+        assert_eq!(e.len(), 1, "{h}: reservation ended {} times", e.len());
+    }
+    let expired_res: Vec<_> = res
+        .iter()
+        .filter(|(_, e)| e[0] == EndReason::Canceled(handoff_ledger::ids::CancelReason::Expired))
+        .collect();
+    assert_eq!(expired_res.len() as u64, expired);
+    for (h, e) in &pins {
+        assert_eq!(e.len(), 1, "{h}: pin ended {} times", e.len());
+    }
+}
