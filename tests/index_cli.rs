@@ -192,6 +192,13 @@ fn a_damaged_index_is_rebuilt_not_trusted() {
     assert_eq!(v["status"], "rebuilt", "{v}");
     let h = some_handoffs(&plain)[1].to_string();
     assert_eq!(show(&plain, &["--handoff", &h]), show(&indexed, &["--handoff", &h]));
+    // Only the postings database damaged: `at` does not need it; `show --handoff` notices,
+    // rebuilds and answers as a scan does.
+    scribble(&indexed.join(".index").join("postings"));
+    assert_eq!(at_json(&plain, "25"), at_json(&indexed, "25"));
+    let out = bin().arg("show").arg(&indexed).args(["--handoff", &h]).output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), show(&plain, &["--handoff", &h]));
     // Rewriting a stream with the same length but other bytes is caught by the checksum.
     let (idx, _) = RunIndex::open_or_rebuild(&indexed).unwrap();
     drop(idx);

@@ -504,10 +504,22 @@ pub enum IndexStatus {
 }
 
 /// An open, verified index of a run.
+///
+/// The index directory holds two sled databases: `state` (layout, fingerprints, checkpoints,
+/// time marks: small, so `at` opens it in milliseconds) and `postings` (per-id record lists:
+/// large, opened only when a posting is asked for).
 pub struct RunIndex {
     db: sled::Db,
+    postings: std::sync::OnceLock<Result<sled::Db, String>>,
     path: PathBuf,
     meta: IndexMeta,
+}
+
+/// sled's page cache per database: bounds the memory of building a large index.
+const SLED_CACHE_BYTES: u64 = 32 << 20;
+
+fn sled_config(path: &Path) -> sled::Config {
+    sled::Config::new().path(path).cache_capacity(SLED_CACHE_BYTES)
 }
 
 const KEY_META: &[u8] = b"meta:layout";
@@ -623,7 +635,11 @@ impl RunIndex {
     fn try_open(layout: &RunLayout, path: &Path) -> Result<Result<RunIndex, String>, IndexError> {
         // sled may panic on some kinds of damage rather than return an error; a damaged index
         // must only ever lead to a rebuild.
-        let opened = std::panic::catch_unwind(|| sled::Config::new().path(path).open());
+        if !path.join("postings").is_dir() {
+            return Ok(Err("missing postings database".into()));
+        }
+        let state = path.join("state");
+        let opened = std::panic::catch_unwind(|| sled_config(&state).open());
         let db = match opened {
             Ok(Ok(db)) => db,
             Ok(Err(e)) if e.to_string().contains("could not acquire lock") => {
@@ -669,7 +685,7 @@ impl RunIndex {
             }
         }
         let path = path.to_path_buf();
-        Ok(Ok(RunIndex { db, path, meta }))
+        Ok(Ok(RunIndex { db, postings: std::sync::OnceLock::new(), path, meta }))
     }
 
     fn build_layout(
@@ -683,7 +699,9 @@ impl RunIndex {
                 .or_else(|_| fs::remove_file(&path))
                 .map_err(|e| LogError::io(&path, e))?;
         }
-        let db = sled::Config::new().path(&path).open().map_err(|e| db_err(&path, e))?;
+        fs::create_dir_all(&path).map_err(|e| LogError::io(&path, e))?;
+        let db = sled_config(&path.join("state")).open().map_err(|e| db_err(&path, e))?;
+        let pdb = sled_config(&path.join("postings")).open().map_err(|e| db_err(&path, e))?;
         let n = layout.headers.len();
         let mut monotone = vec![true; n];
         let mut last_at = vec![0u64; n];
@@ -757,7 +775,7 @@ impl RunIndex {
                     progress(records);
                 }
                 if pending_n >= FLUSH_POSTINGS {
-                    flush_postings(&db, &path, &mut pending, &mut flush_no)?;
+                    flush_postings(&pdb, &path, &mut pending, &mut flush_no)?;
                     db.apply_batch(std::mem::take(&mut batch)).map_err(|e| db_err(&path, e))?;
                     pending_n = 0;
                 }
@@ -765,7 +783,8 @@ impl RunIndex {
             checkpoints.push(ordinal);
             fingerprints.push(FileFingerprint::take(&seg.path, seg.data_start, last_offset)?);
         }
-        flush_postings(&db, &path, &mut pending, &mut flush_no)?;
+        flush_postings(&pdb, &path, &mut pending, &mut flush_no)?;
+        pdb.flush().map_err(|e| db_err(&path, e))?;
         db.apply_batch(batch).map_err(|e| db_err(&path, e))?;
         let meta = IndexMeta {
             format: INDEX_FORMAT,
@@ -784,7 +803,26 @@ impl RunIndex {
         db.insert(KEY_COMPLETE, &b"1"[..]).map_err(|e| db_err(&path, e))?;
         db.flush().map_err(|e| db_err(&path, e))?;
         progress(records);
-        Ok(RunIndex { db, path, meta })
+        Ok(RunIndex { db, postings: std::sync::OnceLock::from(Ok(pdb)), path, meta })
+    }
+
+    /// The postings database, opened on first use. A postings database that will not open is
+    /// an error asking for a rebuild (callers such as `show` rebuild and retry).
+    fn postings_db(&self) -> Result<&sled::Db, IndexError> {
+        let p = self.path.join("postings");
+        let opened =
+            self.postings.get_or_init(|| match std::panic::catch_unwind(|| sled_config(&p).open()) {
+                Ok(Ok(db)) => Ok(db),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err("the database is damaged".into()),
+            });
+        match opened {
+            Ok(db) => Ok(db),
+            Err(e) if e.contains("could not acquire lock") => {
+                Err(IndexError::Busy { path: self.path.clone() })
+            }
+            Err(e) => Err(db_err(&self.path, format!("postings database unusable ({e}); rebuild the index"))),
+        }
     }
 
     pub fn meta(&self) -> &IndexMeta {
@@ -798,7 +836,7 @@ impl RunIndex {
     fn postings(&self, pid: PostingId) -> Result<Vec<Posting>, IndexError> {
         let prefix = posting_prefix(&pid);
         let mut out = Vec::new();
-        for kv in self.db.scan_prefix(&prefix) {
+        for kv in self.postings_db()?.scan_prefix(&prefix) {
             let (k, v) = kv.map_err(|e| db_err(&self.path, e))?;
             if k.len() != prefix.len() + 4 || unpack_postings(&v, &mut out).is_none() {
                 return Err(db_err(&self.path, "malformed posting list"));

@@ -115,16 +115,19 @@ pub fn indexed_show(
     }
     let workers = meta.workers.clone();
     if let Some(h) = handoff {
-        let postings = idx.offsets_for_handoff(h)?;
-        for (i, rec) in idx.read_postings(&postings)? {
-            let Some(w) = workers.get(i).copied() else {
-                continue;
-            };
-            if worker.map_or(true, |x| x == w) && !emit(w, &rec)? {
-                break;
+        let postings = match idx.offsets_for_handoff(h) {
+            Ok(p) => p,
+            Err(e @ IndexError::Db { .. }) => {
+                // The postings part is damaged: never trust it, rebuild and ask again.
+                eprintln!("handoff-log: {e}; rebuilding the index");
+                drop(idx);
+                let rebuilt = RunIndex::build(log)?;
+                let p = rebuilt.offsets_for_handoff(h)?;
+                return emit_postings(&rebuilt, &p, &workers, worker, emit);
             }
-        }
-        return Ok(true);
+            Err(e) => return Err(e.into()),
+        };
+        return emit_postings(&idx, &postings, &workers, worker, emit);
     }
     // --worker alone: read that worker's records only (its own file in a directory; in a merged
     // file the other streams' records are checked but not decoded).
@@ -141,6 +144,24 @@ pub fn indexed_show(
     let mut r = SegmentReader::open_at(seg, seg.data_start, vec![0; workers.len()])?.only_stream(stream);
     while let Some((_, rec)) = r.next_record()? {
         if !emit(w, &rec)? {
+            break;
+        }
+    }
+    Ok(true)
+}
+
+fn emit_postings(
+    idx: &RunIndex,
+    postings: &[handoff_ledger::events::index::Posting],
+    workers: &[WorkerId],
+    worker: Option<WorkerId>,
+    emit: &mut dyn FnMut(WorkerId, &Record) -> Result<bool, CliError>,
+) -> Result<bool, CliError> {
+    for (i, rec) in idx.read_postings(postings)? {
+        let Some(w) = workers.get(i).copied() else {
+            continue;
+        };
+        if worker.map_or(true, |x| x == w) && !emit(w, &rec)? {
             break;
         }
     }
