@@ -31,12 +31,13 @@ use super::{Fact, Record, StreamHeader, FORMAT_VERSION, MAGIC};
 use crate::ids::{HandoffId, RequestId, WorkerId};
 use crate::projections::at::StreamFold;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 /// Bumped whenever what the index stores changes; an index of another version is rebuilt.
-pub const INDEX_FORMAT: u32 = 2;
+pub const INDEX_FORMAT: u32 = 3;
 /// Records of a segment between two checkpoints: `at` reads at most this many records per
 /// segment after loading a checkpoint.
 pub const CHECKPOINT_EVERY: u64 = 16_384;
@@ -539,30 +540,67 @@ fn request_pid(r: RequestId) -> PostingId {
     (b'r', b)
 }
 
-fn posting_prefix(pid: &PostingId) -> Vec<u8> {
-    let len = if pid.0 == b'h' { 16 } else { 8 };
-    let mut k = Vec::with_capacity(1 + len + 4);
-    k.push(pid.0);
-    k.extend_from_slice(&pid.1[..len]);
-    k
+/// Postings are stored by bucket, not one key per id: sled's memory grows with its keys, and
+/// a 10-million-record run has about a million ids. `BUCKETS` buckets × flushes keys in all.
+const BUCKETS: u16 = 4096;
+
+fn bucket_of(pid: &PostingId) -> u16 {
+    // FNV-1a over the id: spreads sequential request ids as well as random UUIDs.
+    let mut h: u32 = 0x811c_9dc5;
+    for b in std::iter::once(pid.0).chain(pid.1.iter().copied()) {
+        h = (h ^ b as u32).wrapping_mul(0x0100_0193);
+    }
+    (h % BUCKETS as u32) as u16
 }
 
-/// Writes the gathered postings, one key per id: `prefix flush_no(u32 BE)`.
+fn bucket_prefix(bucket: u16) -> [u8; 3] {
+    let b = bucket.to_be_bytes();
+    [b'p', b[0], b[1]]
+}
+
+/// Writes the gathered postings: per bucket one key `p bucket(u16 BE) flush_no(u32 BE)` whose
+/// value is a sequence of `tag id(16) len(varint) packed-list`.
 fn flush_postings(
     db: &sled::Db,
     path: &Path,
     pending: &mut std::collections::HashMap<PostingId, PackedPostings>,
     flush_no: &mut u32,
 ) -> Result<(), IndexError> {
-    let mut batch = sled::Batch::default();
+    let mut buckets: BTreeMap<u16, Vec<u8>> = BTreeMap::new();
     for (pid, packed) in pending.drain() {
-        let mut k = posting_prefix(&pid);
+        let v = buckets.entry(bucket_of(&pid)).or_default();
+        v.push(pid.0);
+        v.extend_from_slice(&pid.1);
+        put_varint(v, packed.bytes.len() as u64);
+        v.extend_from_slice(&packed.bytes);
+    }
+    let mut batch = sled::Batch::default();
+    for (bucket, v) in buckets {
+        let mut k = bucket_prefix(bucket).to_vec();
         k.extend_from_slice(&flush_no.to_be_bytes());
-        batch.insert(k, packed.bytes);
+        batch.insert(k, v);
     }
     db.apply_batch(batch).map_err(|e| db_err(path, e))?;
+    db.flush().map_err(|e| db_err(path, e))?;
     *flush_no += 1;
     Ok(())
+}
+
+/// Finds `pid`'s packed lists in one bucket value.
+fn postings_in_bucket(v: &[u8], pid: &PostingId, out: &mut Vec<Posting>) -> Option<()> {
+    let mut i = 0;
+    while i < v.len() {
+        let tag = *v.get(i)?;
+        let id = v.get(i + 1..i + 17)?;
+        i += 17;
+        let len = get_varint(v, &mut i)? as usize;
+        let list = v.get(i..i.checked_add(len)?)?;
+        i += len;
+        if tag == pid.0 && id == pid.1 {
+            unpack_postings(list, out)?;
+        }
+    }
+    Some(())
 }
 
 fn checkpoint_key(seg: u16, max_at_ns: u64, ordinal: u64) -> Vec<u8> {
@@ -834,11 +872,11 @@ impl RunIndex {
     }
 
     fn postings(&self, pid: PostingId) -> Result<Vec<Posting>, IndexError> {
-        let prefix = posting_prefix(&pid);
+        let prefix = bucket_prefix(bucket_of(&pid));
         let mut out = Vec::new();
-        for kv in self.postings_db()?.scan_prefix(&prefix) {
+        for kv in self.postings_db()?.scan_prefix(prefix) {
             let (k, v) = kv.map_err(|e| db_err(&self.path, e))?;
-            if k.len() != prefix.len() + 4 || unpack_postings(&v, &mut out).is_none() {
+            if k.len() != prefix.len() + 4 || postings_in_bucket(&v, &pid, &mut out).is_none() {
                 return Err(db_err(&self.path, "malformed posting list"));
             }
         }
