@@ -32,14 +32,20 @@
 //! nothing more.
 //!
 //! ## Streaming
-//! Memory does not grow with the length of the logs:
-//! - capacity and booking sequences are compared per worker, reading that worker's stream of A
-//!   and of B in lockstep, one worker at a time; only a ring of the last few record offsets is
-//!   kept for context (records are re-read by offset to print them);
-//! - handoffs and requests are folded in merge order on both sides at once, stepping the side
-//!   that is behind; an entry is kept while it is in flight, compared as soon as both sides have
-//!   finished it, and dropped. A request finishes at its router `RequestFinished` (or the engine's,
-//!   in a run without a router); a handoff once its request finished and it holds nothing.
+//! Memory does not grow with the length of the logs. Each run is read once, in merge order
+//! (a 16-byte-key k-way merge of its stream files, or a merged file straight through), and the
+//! two walks advance together, always stepping the run that is behind:
+//! - each worker's sequence elements are queued until the other run produces the matching
+//!   element, compared, and dropped; only a ring of the last few record offsets is kept for
+//!   context (records are re-read by offset to print them). If one run gets more than
+//!   [`DiffOptions::queue_limit`] elements ahead on a worker (the runs' timing drifted far
+//!   apart), that worker's queues are dropped and it is compared afterwards by reading its
+//!   stream in both runs in lockstep — a second read of that stream, constant memory;
+//! - handoffs and requests are kept while in flight, compared as soon as both runs have
+//!   finished them, and dropped. A request finishes at its router `RequestFinished` (or the
+//!   engine's, in a run without a router); a handoff once its request finished and it holds
+//!   nothing. Straggling facts about an entry already compared (a late duplicate message) are
+//!   recognised by a bounded memory of recently finished ids and ignored.
 
 use crate::events::index::{read_record_at, records_around, RunLayout, Segment, SegmentKind, SegmentReader};
 use crate::events::{Fact, KvDelta, LogError, Record, StreamHeader, TerminalStatus};
