@@ -123,7 +123,7 @@ fn changed_capacity_delta_is_reported_at_that_record() {
     assert_eq!(head, format!("first divergence: capacity-sequence on worker {w}"));
     assert!(la.starts_with(&format!("  A: {w} seq {seq} (RequestFinished")), "{la}");
     assert!(lb.starts_with(&format!("  B: {w} seq {seq} (RequestFinished")), "{lb}");
-    assert!(stdout.contains(&format!("  A:>> ")), "{stdout}");
+    assert!(stdout.contains("  A:>> "), "{stdout}");
     let (_, v) = diff_json(&a, &b, &[]);
     assert_eq!(count(&v, "capacity-sequence"), 1, "{v}");
     assert_eq!(count(&v, "final-state"), 1, "one block never returned");
