@@ -44,11 +44,7 @@ pub fn run(
             return Ok(false);
         }
         shown += 1;
-        out.line(&if json_out {
-            json_line(w, rec)
-        } else {
-            text_line(w, rec)
-        })?;
+        out.line(&if json_out { json_line(w, rec) } else { text_line(w, rec) })?;
         Ok(true)
     };
     if crate::cmd_index::indexed_show(log, handoff, worker, &mut emit)? {
