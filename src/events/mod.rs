@@ -29,6 +29,7 @@ pub mod codec;
 pub mod error;
 pub mod fact;
 mod frame;
+pub mod index;
 pub mod reader;
 pub mod run;
 pub mod writer;

@@ -132,6 +132,12 @@ impl HandoffLedger {
         self.entries.get(id)
     }
 
+    /// Removes and returns a handoff's entry, so a streaming consumer (diff) can drop handoffs
+    /// it has finished with and keep memory proportional to handoffs in flight.
+    pub fn remove(&mut self, id: &HandoffId) -> Option<HandoffEntry> {
+        self.entries.remove(id)
+    }
+
     /// The latest timestamp seen (the log's end, for still-pinned durations).
     pub fn last_at_ns(&self) -> u64 {
         self.last_at_ns

@@ -13,6 +13,8 @@ pub mod distribution;
 pub mod metrics;
 
 pub use metrics::{MetricsFold, MetricsReport, PerRequest};
+pub mod at;
+pub mod diff;
 pub mod inspect;
 pub mod run;
 pub mod timeline;

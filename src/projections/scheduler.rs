@@ -18,7 +18,7 @@ use crate::ids::{HandoffId, RequestId};
 use crate::schedulers::SchedulerView;
 use std::collections::{BTreeMap, BTreeSet};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 enum Phase {
     Waiting,
     Running,
@@ -29,7 +29,8 @@ enum Phase {
 #[error("scheduler view: {0}")]
 pub struct ViewViolation(pub String);
 
-#[derive(Clone, Debug, Default)]
+/// Serializable so an index can store it in a checkpoint and resume the fold mid-stream.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SchedulerFold {
     requests: BTreeMap<RequestId, Phase>,
     /// Requests in `Running`, kept as a count so `view` is O(1) (timelines call it per record).

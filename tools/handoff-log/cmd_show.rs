@@ -38,6 +38,19 @@ pub fn run(
         out.line(&format!("{:>14} {:<10} {:>8} {:<20} DETAILS", "AT_MS", "WORKER", "SEQ", "FACT"))?;
     }
     let mut shown = 0u64;
+    // With an index beside the run, the filtered records are fetched by offset.
+    let mut emit = |w: WorkerId, rec: &Record| -> Result<bool, CliError> {
+        if limit.is_some_and(|l| shown >= l) {
+            return Ok(false);
+        }
+        shown += 1;
+        out.line(&if json_out { json_line(w, rec) } else { text_line(w, rec) })?;
+        Ok(true)
+    };
+    if crate::cmd_index::indexed_show(log, handoff, worker, &mut emit)? {
+        out.flush()?;
+        return Ok(0);
+    }
     while let Some((i, rec)) = run.next()? {
         let w = workers[i];
         if worker.is_some_and(|x| x != w) || handoff.is_some_and(|h| rec.fact.handoff() != Some(h)) {
@@ -64,7 +77,7 @@ pub fn fact_fields(fact: &Fact) -> Map<String, Value> {
     }
 }
 
-fn json_line(w: WorkerId, rec: &Record) -> String {
+pub fn json_line(w: WorkerId, rec: &Record) -> String {
     let mut m = Map::new();
     m.insert("at_ns".into(), rec.at_ns.into());
     m.insert("worker".into(), w.to_string().into());
@@ -76,7 +89,7 @@ fn json_line(w: WorkerId, rec: &Record) -> String {
     Value::Object(m).to_string()
 }
 
-fn text_line(w: WorkerId, rec: &Record) -> String {
+pub fn text_line(w: WorkerId, rec: &Record) -> String {
     let mut details = String::new();
     for (k, v) in fact_fields(&rec.fact) {
         if !details.is_empty() {

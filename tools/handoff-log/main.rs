@@ -1,5 +1,8 @@
 //! `handoff-log`: record, replay, check and explain KV handoff logs.
 
+mod cmd_at;
+mod cmd_diff;
+mod cmd_index;
 mod cmd_inspect;
 mod cmd_project;
 mod cmd_replay;
@@ -74,6 +77,48 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Compare two runs' projections (parity): exit 0 equivalent, 1 different, 2 unusable.
+    ///
+    /// Compared: per-worker capacity sequences, router booking sequences, per-handoff
+    /// normalized sequences (matched by request id), per-request outcomes, final snapshots and
+    /// drained state. Timing (pin duration, TTFT, E2E) is compared within the tolerance and
+    /// reported, and only fails with --strict-timing.
+    Diff {
+        /// Run A (directory, merged file or stream file).
+        a: PathBuf,
+        /// Run B.
+        b: PathBuf,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+        /// Timing figures further apart than this percent (of the larger) are reported.
+        #[arg(long, default_value_t = 5.0, value_name = "PCT")]
+        timing_tolerance: f64,
+        /// Timing differences make the runs different (exit 1).
+        #[arg(long)]
+        strict_timing: bool,
+    },
+    /// Every worker's capacity snapshot, scheduler queues and router bookings at an instant
+    /// (all records with at_ns <= T applied). Uses the run's index when present.
+    At {
+        /// A run directory, stream file or merged run file.
+        log: PathBuf,
+        /// The instant: ms (fractional allowed), or with a unit: 12.5s, 300us, 1500000ns.
+        #[arg(long, value_name = "T")]
+        time: String,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Build the sled index beside a run (RUN/.index, or FILE.index), or verify and reuse it.
+    /// `show --handoff/--worker` and `at` use it when present; a stale one is rebuilt.
+    Index {
+        /// A run directory, stream file or merged run file.
+        log: PathBuf,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
     /// Fold a run and print a projection.
     Project {
         /// A run directory, stream file or merged run file.
@@ -125,6 +170,11 @@ fn main() -> ExitCode {
         Command::Replay(args) => cmd_replay::run(args),
         Command::Inspect(args) => cmd_inspect::run(&args),
         Command::Timeline(args) => cmd_timeline::run(&args),
+        Command::Diff { a, b, json, timing_tolerance, strict_timing } => {
+            cmd_diff::run(&a, &b, json, timing_tolerance, strict_timing)
+        }
+        Command::At { log, time, json } => cmd_at::run(&log, &time, json),
+        Command::Index { log, json } => cmd_index::run(&log, json),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -1,0 +1,962 @@
+//! A sled index of a run, so `show --handoff`, `show --worker` and `at` can seek instead of
+//! reading the whole log.
+//!
+//! The index lives beside the run: `RUN/.index` for a run directory, `FILE.index` for a merged
+//! run file or a lone stream file. It holds
+//!
+//! - the run's **layout**: workers in canonical order, the files read ("segments": one per stream
+//!   file of a directory, or the one merged / stream file), where each file's records start, and
+//!   whether each stream's `at_ns` never decreases (the precondition for seeking by time);
+//! - **postings**: HandoffId → (file, byte offset) of every record about that
+//!   handoff, and the same for request ids;
+//! - **time marks**: every [`TIME_MARK_EVERY`] records of a stream, (worker, at_ns, seq) → offset;
+//! - **checkpoints**: every [`CHECKPOINT_EVERY`] records of a segment, the per-stream fold states
+//!   of [`crate::projections::at`] (capacity snapshot, scheduler view fold, router bookings) and
+//!   the byte offset and sequence numbers at which to resume reading;
+//! - a **fingerprint** of what it indexed: per file its length, mtime, where its last record
+//!   starts, and a crc32 of its header bytes plus its last record.
+//!
+//! An index is never trusted blindly: [`RunIndex::open_or_rebuild`] rebuilds it when sled cannot
+//! open it, when a key is missing, when the index format differs, or when any file's fingerprint
+//! no longer matches (a stream appended to, rewritten, or touched). The marker key
+//! `meta:complete` is written last, so an index build that was interrupted is rebuilt too.
+
+use super::codec;
+use super::error::LogError;
+use super::frame::{self, FrameReader};
+use super::reader::fixed8;
+use super::run::{RunKind, RunReader, RUN_FORMAT_VERSION, RUN_MAGIC};
+use super::writer::{FILE_BUFFER_BYTES, STREAM_RECORD_FIXED_BYTES};
+use super::{Fact, Record, StreamHeader, FORMAT_VERSION, MAGIC};
+use crate::ids::{HandoffId, RequestId, WorkerId};
+use crate::projections::at::StreamFold;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fs::{self, File};
+use std::io::{BufReader, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+/// Bumped whenever what the index stores changes; an index of another version is rebuilt.
+pub const INDEX_FORMAT: u32 = 3;
+/// Records of a segment between two checkpoints: `at` reads at most this many records per
+/// segment after loading a checkpoint.
+pub const CHECKPOINT_EVERY: u64 = 16_384;
+/// Records of a stream between two time marks.
+pub const TIME_MARK_EVERY: u64 = 4_096;
+/// Postings are gathered per id in memory and written to sled after this many, one key per id
+/// and flush (`tag id flush_no → packed list`): memory stays bounded while building and sled
+/// holds about one key per id instead of one per record.
+const FLUSH_POSTINGS: usize = 1_000_000;
+
+/// Bytes of a merged record body before the fact: stream(u16) + seq(u64) + at_ns(u64).
+const MERGED_RECORD_FIXED_BYTES: usize = 2 + STREAM_RECORD_FIXED_BYTES;
+
+/// Errors of the index layer.
+#[derive(Debug, thiserror::Error)]
+pub enum IndexError {
+    #[error(transparent)]
+    Log(#[from] LogError),
+    /// Another process (or another open handle) holds the index's lock. The index is left
+    /// alone; readers fall back to a scan.
+    #[error("{}: the index is in use by another process", path.display())]
+    Busy { path: PathBuf },
+    /// sled refused an operation on an index that was just (re)built: nothing to fall back to.
+    #[error("{}: index database error: {reason}", path.display())]
+    Db { path: PathBuf, reason: String },
+}
+
+fn db_err(path: &Path, e: impl std::fmt::Display) -> IndexError {
+    IndexError::Db { path: path.to_path_buf(), reason: e.to_string() }
+}
+
+/// How a segment's records are framed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SegmentKind {
+    /// A per-worker stream file: every record belongs to one stream.
+    Stream,
+    /// A merged run file: each record names its stream.
+    Merged,
+}
+
+/// One file of a run and the streams whose records it holds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Segment {
+    pub path: PathBuf,
+    pub kind: SegmentKind,
+    /// Indexes into [`RunLayout::workers`]; for a stream file, exactly one.
+    pub streams: Vec<usize>,
+    /// Byte offset of the first record (after the header(s)).
+    pub data_start: u64,
+}
+
+/// The files and streams of a run, found without reading its records.
+#[derive(Clone, Debug)]
+pub struct RunLayout {
+    pub run: PathBuf,
+    pub kind: RunKind,
+    pub headers: Vec<StreamHeader>,
+    pub segments: Vec<Segment>,
+}
+
+impl RunLayout {
+    /// Opens the run's headers (validating them as [`RunReader::open`] does) and locates every
+    /// file's first record.
+    pub fn open(run: impl AsRef<Path>) -> Result<Self, LogError> {
+        let run = run.as_ref();
+        let reader = RunReader::open(run)?;
+        let headers = reader.headers().to_vec();
+        let kind = reader.kind();
+        let mut segments = Vec::new();
+        match kind {
+            RunKind::Merged => segments.push(Segment {
+                path: run.to_path_buf(),
+                kind: SegmentKind::Merged,
+                streams: (0..headers.len()).collect(),
+                data_start: merged_data_start(run, headers.len())?,
+            }),
+            RunKind::Directory | RunKind::Stream => {
+                for (i, p) in reader.stream_paths().iter().enumerate() {
+                    segments.push(Segment {
+                        path: p.clone(),
+                        kind: SegmentKind::Stream,
+                        streams: vec![i],
+                        data_start: stream_data_start(p)?,
+                    });
+                }
+            }
+        }
+        Ok(RunLayout { run: run.to_path_buf(), kind, headers, segments })
+    }
+
+    pub fn workers(&self) -> Vec<WorkerId> {
+        self.headers.iter().map(|h| h.worker).collect()
+    }
+}
+
+fn stream_data_start(path: &Path) -> Result<u64, LogError> {
+    let f = File::open(path).map_err(|e| LogError::io(path, e))?;
+    let mut r = BufReader::new(f);
+    frame::read_prelude(&mut r, path, &MAGIC, FORMAT_VERSION)?;
+    let (_, used) = frame::read_header_block(&mut r, path, frame::PRELUDE_BYTES as u64)?;
+    Ok(frame::PRELUDE_BYTES as u64 + used)
+}
+
+fn merged_data_start(path: &Path, streams: usize) -> Result<u64, LogError> {
+    let f = File::open(path).map_err(|e| LogError::io(path, e))?;
+    let mut r = BufReader::new(f);
+    frame::read_prelude(&mut r, path, &RUN_MAGIC, RUN_FORMAT_VERSION)?;
+    let mut count = [0u8; 2];
+    frame::read_full(&mut r, &mut count).map_err(|e| LogError::io(path, e))?;
+    let mut offset = frame::PRELUDE_BYTES as u64 + 2;
+    for _ in 0..streams {
+        let (_, used) = frame::read_header_block(&mut r, path, offset)?;
+        offset += used;
+    }
+    Ok(offset)
+}
+
+/// Reads one segment's records from a byte offset, checking checksums and sequence numbers as
+/// the stream and run readers do. Yields the stream index (into the run's workers) with each
+/// record.
+pub struct SegmentReader {
+    frames: FrameReader<BufReader<File>>,
+    kind: SegmentKind,
+    /// For a stream segment: its one stream.
+    stream: usize,
+    /// Expected next seq per run stream index (only the segment's streams are used).
+    next_seq: Vec<u64>,
+    last_offset: u64,
+    /// When set, records of other streams are checked (checksum, seq) but not decoded or
+    /// returned: a merged file read one stream at a time.
+    only: Option<usize>,
+}
+
+impl SegmentReader {
+    /// Starts at `offset` (a record boundary: `data_start` or a checkpoint's offset) with the
+    /// sequence numbers the streams' next records must carry (indexed by run stream index).
+    pub fn open_at(seg: &Segment, offset: u64, next_seq: Vec<u64>) -> Result<Self, LogError> {
+        let path = &seg.path;
+        let mut f = File::open(path).map_err(|e| LogError::io(path, e))?;
+        f.seek(SeekFrom::Start(offset)).map_err(|e| LogError::io(path, e))?;
+        Ok(SegmentReader {
+            frames: FrameReader::new(BufReader::with_capacity(FILE_BUFFER_BYTES, f), path.clone(), offset),
+            kind: seg.kind,
+            stream: seg.streams.first().copied().unwrap_or(0),
+            next_seq,
+            last_offset: offset,
+            only: None,
+        })
+    }
+
+    /// Returns only `stream`'s records from now on.
+    pub fn only_stream(mut self, stream: usize) -> Self {
+        self.only = Some(stream);
+        self
+    }
+
+    /// The next record and its stream index, `None` at the end (or a torn tail).
+    pub fn next_record(&mut self) -> Result<Option<(usize, Record)>, LogError> {
+        loop {
+            match self.read_one()? {
+                Some(None) => continue,
+                Some(Some(r)) => return Ok(Some(r)),
+                None => return Ok(None),
+            }
+        }
+    }
+
+    /// `Some(None)`: a record of a stream filtered out.
+    #[allow(clippy::type_complexity)]
+    fn read_one(&mut self) -> Result<Option<Option<(usize, Record)>>, LogError> {
+        let fixed = match self.kind {
+            SegmentKind::Stream => STREAM_RECORD_FIXED_BYTES,
+            SegmentKind::Merged => MERGED_RECORD_FIXED_BYTES,
+        };
+        let Some(offset) = self.frames.next_frame(fixed)? else {
+            return Ok(None);
+        };
+        let body = &self.frames.body;
+        let (stream, rest) = match self.kind {
+            SegmentKind::Stream => (self.stream, &body[..]),
+            SegmentKind::Merged => (u16::from_le_bytes([body[0], body[1]]) as usize, &body[2..]),
+        };
+        let seq = u64::from_le_bytes(fixed8(&rest[0..8]));
+        let at_ns = u64::from_le_bytes(fixed8(&rest[8..16]));
+        let Some(expected) = self.next_seq.get_mut(stream) else {
+            let e = self.frames.corrupt(offset, format!("stream index {stream} out of range"));
+            self.frames.stop();
+            return Err(e);
+        };
+        if seq != *expected {
+            let e = LogError::SequenceGap {
+                path: self.frames.path().to_path_buf(),
+                offset,
+                expected: *expected,
+                found: seq,
+            };
+            self.frames.stop();
+            return Err(e);
+        }
+        if self.only.is_some_and(|o| o != stream) {
+            *expected += 1;
+            return Ok(Some(None));
+        }
+        let fact: Fact = match codec::decode_exact(&rest[16..]) {
+            Ok(f) => f,
+            Err(e) => {
+                let e = self.frames.corrupt(offset, format!("undecodable fact: {e}"));
+                self.frames.stop();
+                return Err(e);
+            }
+        };
+        *expected += 1;
+        self.last_offset = offset;
+        Ok(Some(Some((stream, Record { seq, at_ns, fact }))))
+    }
+
+    /// Byte offset of the record last returned.
+    pub fn last_record_offset(&self) -> u64 {
+        self.last_offset
+    }
+
+    /// Byte offset of the next record (after the end: the segment's sound length).
+    pub fn offset(&self) -> u64 {
+        self.frames.offset()
+    }
+
+    pub fn next_seqs(&self) -> &[u64] {
+        &self.next_seq
+    }
+}
+
+/// Reads the one record that starts at `offset` in a file of the given kind (used to fetch
+/// postings and diff context). The record's checksum is checked; its sequence number is not
+/// (there is no predecessor to check it against).
+pub fn read_record_at(
+    path: &Path,
+    kind: SegmentKind,
+    offset: u64,
+) -> Result<(Option<usize>, Record), LogError> {
+    let mut f = File::open(path).map_err(|e| LogError::io(path, e))?;
+    f.seek(SeekFrom::Start(offset)).map_err(|e| LogError::io(path, e))?;
+    let fixed = match kind {
+        SegmentKind::Stream => STREAM_RECORD_FIXED_BYTES,
+        SegmentKind::Merged => MERGED_RECORD_FIXED_BYTES,
+    };
+    let mut frames = FrameReader::new(BufReader::new(f), path.to_path_buf(), offset);
+    let Some(_) = frames.next_frame(fixed)? else {
+        return Err(LogError::Corrupt {
+            path: path.to_path_buf(),
+            offset,
+            reason: "no record starts here (index or context offset past the end)".into(),
+        });
+    };
+    let body = &frames.body;
+    let (stream, rest) = match kind {
+        SegmentKind::Stream => (None, &body[..]),
+        SegmentKind::Merged => (Some(u16::from_le_bytes([body[0], body[1]]) as usize), &body[2..]),
+    };
+    let seq = u64::from_le_bytes(fixed8(&rest[0..8]));
+    let at_ns = u64::from_le_bytes(fixed8(&rest[8..16]));
+    let fact: Fact = codec::decode_exact(&rest[16..])
+        .map_err(|e| frames.corrupt(offset, format!("undecodable fact: {e}")))?;
+    Ok((stream, Record { seq, at_ns, fact }))
+}
+
+/// Reads the records of `stream` in `seg` from byte offset `start` (a record boundary) until
+/// `after` records past the one at `div` have been read, checking checksums but not sequence
+/// numbers. At most `max_frames` frames are read. For printing context around a record.
+pub fn records_around(
+    seg: &Segment,
+    stream: usize,
+    start: u64,
+    div: u64,
+    after: usize,
+    max_frames: usize,
+) -> Result<Vec<(u64, Record)>, LogError> {
+    let path = &seg.path;
+    let mut f = File::open(path).map_err(|e| LogError::io(path, e))?;
+    f.seek(SeekFrom::Start(start)).map_err(|e| LogError::io(path, e))?;
+    let fixed = match seg.kind {
+        SegmentKind::Stream => STREAM_RECORD_FIXED_BYTES,
+        SegmentKind::Merged => MERGED_RECORD_FIXED_BYTES,
+    };
+    let mut frames = FrameReader::new(BufReader::new(f), path.to_path_buf(), start);
+    let mut out = Vec::new();
+    let mut past = 0usize;
+    for _ in 0..max_frames {
+        let Some(offset) = frames.next_frame(fixed)? else {
+            break;
+        };
+        let body = &frames.body;
+        let (s, rest) = match seg.kind {
+            SegmentKind::Stream => (stream, &body[..]),
+            SegmentKind::Merged => (u16::from_le_bytes([body[0], body[1]]) as usize, &body[2..]),
+        };
+        if s != stream {
+            continue;
+        }
+        if offset > div {
+            if past == after {
+                break;
+            }
+            past += 1;
+        }
+        let seq = u64::from_le_bytes(fixed8(&rest[0..8]));
+        let at_ns = u64::from_le_bytes(fixed8(&rest[8..16]));
+        let fact: Fact = codec::decode_exact(&rest[16..])
+            .map_err(|e| frames.corrupt(offset, format!("undecodable fact: {e}")))?;
+        out.push((offset, Record { seq, at_ns, fact }));
+    }
+    Ok(out)
+}
+
+/// What the index remembers of one file, to tell whether it changed since.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileFingerprint {
+    pub path: PathBuf,
+    pub len: u64,
+    pub mtime_ns: u128,
+    /// Where the last sound record starts (`data_start` when there is none).
+    pub last_record_offset: u64,
+    /// crc32 of bytes `[0, data_start)` (the headers) and `[last_record_offset, len)`.
+    pub crc: u32,
+}
+
+impl FileFingerprint {
+    fn take(path: &Path, data_start: u64, last_record_offset: u64) -> Result<Self, LogError> {
+        let io = |e| LogError::io(path, e);
+        let meta = fs::metadata(path).map_err(io)?;
+        let len = meta.len();
+        let mtime_ns = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let mut f = File::open(path).map_err(io)?;
+        let mut h = crc32fast::Hasher::new();
+        let mut buf = vec![0u8; data_start.min(len) as usize];
+        f.read_exact(&mut buf).map_err(io)?;
+        h.update(&buf);
+        if last_record_offset < len {
+            f.seek(SeekFrom::Start(last_record_offset)).map_err(io)?;
+            // The last record is at most MAX_RECORD_BYTES + frame prefix; a file grown beyond
+            // that is caught by its length anyway.
+            let tail = (len - last_record_offset).min(1 << 20) as usize;
+            buf.resize(tail, 0);
+            f.read_exact(&mut buf).map_err(io)?;
+            h.update(&buf);
+        }
+        Ok(FileFingerprint { path: path.to_path_buf(), len, mtime_ns, last_record_offset, crc: h.finalize() })
+    }
+}
+
+/// What the index stores about the run as a whole.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexMeta {
+    pub format: u32,
+    pub workers: Vec<WorkerId>,
+    pub segments: Vec<Segment>,
+    pub fingerprints: Vec<FileFingerprint>,
+    /// Per stream: `at_ns` never decreased. Seeking by time needs it; without it `at` reads
+    /// every record after the checkpoint.
+    pub monotone: Vec<bool>,
+    pub records: u64,
+    /// Checkpoints per segment.
+    pub checkpoints: Vec<u64>,
+    /// Records of a segment between two checkpoints.
+    pub checkpoint_every: u64,
+}
+
+impl IndexMeta {
+    pub fn all_monotone(&self) -> bool {
+        self.monotone.iter().all(|m| *m)
+    }
+}
+
+/// A resumable position in one segment with the fold states of its streams.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub segment: usize,
+    /// Offset of the next record to read.
+    pub offset: u64,
+    /// Next seq per run stream index.
+    pub next_seq: Vec<u64>,
+    /// The largest `at_ns` among the records folded so far in this segment.
+    pub max_at_ns: u64,
+    /// Fold states of the segment's streams, in the order of [`Segment::streams`].
+    pub states: Vec<StreamFold>,
+}
+
+/// Where one record is: a file of the run (index into [`IndexMeta::segments`]) and the byte
+/// offset of the record in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Posting {
+    pub segment: u16,
+    pub offset: u64,
+}
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn get_varint(b: &[u8], i: &mut usize) -> Option<u64> {
+    let mut v = 0u64;
+    for shift in (0..64).step_by(7) {
+        let byte = *b.get(*i)?;
+        *i += 1;
+        v |= ((byte & 0x7f) as u64) << shift;
+        if byte < 0x80 {
+            return Some(v);
+        }
+    }
+    None
+}
+
+/// Postings of one id being gathered: a packed list (segment varint, offset varint, the
+/// offset a delta from the previous posting's when the segment is the same).
+#[derive(Default)]
+struct PackedPostings {
+    bytes: Vec<u8>,
+    last: Option<(u16, u64)>,
+}
+
+impl PackedPostings {
+    fn push(&mut self, segment: u16, offset: u64) {
+        put_varint(&mut self.bytes, segment as u64);
+        match self.last {
+            Some((s, o)) if s == segment && offset >= o => put_varint(&mut self.bytes, offset - o),
+            _ => put_varint(&mut self.bytes, offset),
+        }
+        self.last = Some((segment, offset));
+    }
+}
+
+fn unpack_postings(b: &[u8], out: &mut Vec<Posting>) -> Option<()> {
+    let mut i = 0;
+    let mut last: Option<(u16, u64)> = None;
+    while i < b.len() {
+        let segment = u16::try_from(get_varint(b, &mut i)?).ok()?;
+        let v = get_varint(b, &mut i)?;
+        let offset = match last {
+            Some((s, o)) if s == segment => o.checked_add(v)?,
+            _ => v,
+        };
+        out.push(Posting { segment, offset });
+        last = Some((segment, offset));
+    }
+    Some(())
+}
+
+/// Why an index was (re)built rather than used as found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum IndexStatus {
+    /// Found, complete and matching the run.
+    Fresh,
+    /// There was none.
+    Built,
+    /// Found but not usable; rebuilt. The reason says what was wrong.
+    Rebuilt(String),
+}
+
+/// An open, verified index of a run.
+///
+/// The index directory holds two sled databases: `state` (layout, fingerprints, checkpoints,
+/// time marks: small, so `at` opens it in milliseconds) and `postings` (per-id record lists:
+/// large, opened only when a posting is asked for).
+pub struct RunIndex {
+    db: sled::Db,
+    postings: std::sync::OnceLock<Result<sled::Db, String>>,
+    path: PathBuf,
+    meta: IndexMeta,
+}
+
+/// sled's page cache per database: bounds the memory of building a large index.
+const SLED_CACHE_BYTES: u64 = 32 << 20;
+
+fn sled_config(path: &Path) -> sled::Config {
+    sled::Config::new().path(path).cache_capacity(SLED_CACHE_BYTES)
+}
+
+const KEY_META: &[u8] = b"meta:layout";
+const KEY_COMPLETE: &[u8] = b"meta:complete";
+
+/// `tag` (`h` handoff, `r` request) and the id's bytes (16 for a UUID, 8 big-endian for a
+/// request id, zero-padded).
+type PostingId = (u8, [u8; 16]);
+
+fn handoff_pid(h: HandoffId) -> PostingId {
+    (b'h', *h.0.as_bytes())
+}
+
+fn request_pid(r: RequestId) -> PostingId {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&r.0.to_be_bytes());
+    (b'r', b)
+}
+
+/// Postings are stored by bucket, not one key per id: sled's memory grows with its keys, and
+/// a 10-million-record run has about a million ids. `BUCKETS` buckets × flushes keys in all.
+const BUCKETS: u16 = 4096;
+
+fn bucket_of(pid: &PostingId) -> u16 {
+    // FNV-1a over the id: spreads sequential request ids as well as random UUIDs.
+    let mut h: u32 = 0x811c_9dc5;
+    for b in std::iter::once(pid.0).chain(pid.1.iter().copied()) {
+        h = (h ^ b as u32).wrapping_mul(0x0100_0193);
+    }
+    (h % BUCKETS as u32) as u16
+}
+
+fn bucket_prefix(bucket: u16) -> [u8; 3] {
+    let b = bucket.to_be_bytes();
+    [b'p', b[0], b[1]]
+}
+
+/// Writes the gathered postings: per bucket one key `p bucket(u16 BE) flush_no(u32 BE)` whose
+/// value is a sequence of `tag id(16) len(varint) packed-list`.
+fn flush_postings(
+    db: &sled::Db,
+    path: &Path,
+    pending: &mut std::collections::HashMap<PostingId, PackedPostings>,
+    flush_no: &mut u32,
+) -> Result<(), IndexError> {
+    let mut buckets: BTreeMap<u16, Vec<u8>> = BTreeMap::new();
+    for (pid, packed) in pending.drain() {
+        let v = buckets.entry(bucket_of(&pid)).or_default();
+        v.push(pid.0);
+        v.extend_from_slice(&pid.1);
+        put_varint(v, packed.bytes.len() as u64);
+        v.extend_from_slice(&packed.bytes);
+    }
+    let mut batch = sled::Batch::default();
+    for (bucket, v) in buckets {
+        let mut k = bucket_prefix(bucket).to_vec();
+        k.extend_from_slice(&flush_no.to_be_bytes());
+        batch.insert(k, v);
+    }
+    db.apply_batch(batch).map_err(|e| db_err(path, e))?;
+    db.flush().map_err(|e| db_err(path, e))?;
+    *flush_no += 1;
+    Ok(())
+}
+
+/// Finds `pid`'s packed lists in one bucket value.
+fn postings_in_bucket(v: &[u8], pid: &PostingId, out: &mut Vec<Posting>) -> Option<()> {
+    let mut i = 0;
+    while i < v.len() {
+        let tag = *v.get(i)?;
+        let id = v.get(i + 1..i + 17)?;
+        i += 17;
+        let len = get_varint(v, &mut i)? as usize;
+        let list = v.get(i..i.checked_add(len)?)?;
+        i += len;
+        if tag == pid.0 && id == pid.1 {
+            unpack_postings(list, out)?;
+        }
+    }
+    Some(())
+}
+
+fn checkpoint_key(seg: u16, max_at_ns: u64, ordinal: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(19);
+    k.push(b'c');
+    k.extend_from_slice(&seg.to_be_bytes());
+    k.extend_from_slice(&max_at_ns.to_be_bytes());
+    k.extend_from_slice(&ordinal.to_be_bytes());
+    k
+}
+
+impl RunIndex {
+    /// Where the index of `run` lives: `RUN/.index` for a directory, `FILE.index` otherwise.
+    pub fn index_path(run: &Path) -> PathBuf {
+        if run.is_dir() {
+            run.join(".index")
+        } else {
+            let mut s = run.as_os_str().to_owned();
+            s.push(".index");
+            PathBuf::from(s)
+        }
+    }
+
+    /// Whether an index directory exists for `run` (fresh or not).
+    pub fn exists(run: &Path) -> bool {
+        Self::index_path(run).exists()
+    }
+
+    /// Opens the index of `run` if it is present, complete and matches the run; otherwise
+    /// (re)builds it. Never returns an index that does not describe the run as it is now.
+    pub fn open_or_rebuild(run: impl AsRef<Path>) -> Result<(RunIndex, IndexStatus), IndexError> {
+        Self::open_or_rebuild_with(run, &mut |_| {})
+    }
+
+    /// [`RunIndex::open_or_rebuild`], reporting records indexed to `progress` while building.
+    pub fn open_or_rebuild_with(
+        run: impl AsRef<Path>,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<(RunIndex, IndexStatus), IndexError> {
+        let run = run.as_ref();
+        let layout = RunLayout::open(run)?;
+        let path = Self::index_path(run);
+        if !path.exists() {
+            let idx = Self::build_layout(&layout, CHECKPOINT_EVERY, progress)?;
+            return Ok((idx, IndexStatus::Built));
+        }
+        match Self::try_open(&layout, &path)? {
+            Ok(idx) => Ok((idx, IndexStatus::Fresh)),
+            Err(reason) => {
+                let idx = Self::build_layout(&layout, CHECKPOINT_EVERY, progress)?;
+                Ok((idx, IndexStatus::Rebuilt(reason)))
+            }
+        }
+    }
+
+    /// Builds (or rebuilds) the index of `run` from scratch.
+    pub fn build(run: impl AsRef<Path>) -> Result<RunIndex, IndexError> {
+        Self::build_every(run, CHECKPOINT_EVERY)
+    }
+
+    /// [`RunIndex::build`] with checkpoints every `checkpoint_every` records of a file (tests
+    /// use small values to exercise checkpoints on small runs). An index keeps its interval
+    /// when reopened.
+    pub fn build_every(run: impl AsRef<Path>, checkpoint_every: u64) -> Result<RunIndex, IndexError> {
+        let layout = RunLayout::open(run.as_ref())?;
+        Self::build_layout(&layout, checkpoint_every.max(1), &mut |_| {})
+    }
+
+    /// Opens an existing index; `Ok(Err(reason))` when it cannot be trusted.
+    fn try_open(layout: &RunLayout, path: &Path) -> Result<Result<RunIndex, String>, IndexError> {
+        // sled may panic on some kinds of damage rather than return an error; a damaged index
+        // must only ever lead to a rebuild.
+        if !path.join("postings").is_dir() {
+            return Ok(Err("missing postings database".into()));
+        }
+        let state = path.join("state");
+        let opened = std::panic::catch_unwind(|| sled_config(&state).open());
+        let db = match opened {
+            Ok(Ok(db)) => db,
+            Ok(Err(e)) if e.to_string().contains("could not acquire lock") => {
+                return Err(IndexError::Busy { path: path.to_path_buf() })
+            }
+            Ok(Err(e)) => return Ok(Err(format!("cannot open: {e}"))),
+            Err(_) => return Ok(Err("cannot open: the database is damaged".into())),
+        };
+        let complete = matches!(db.get(KEY_COMPLETE), Ok(Some(v)) if v.as_ref() == b"1");
+        if !complete {
+            return Ok(Err("incomplete (an earlier build did not finish)".into()));
+        }
+        let meta: IndexMeta = match db.get(KEY_META) {
+            Ok(Some(v)) => match serde_json::from_slice(&v) {
+                Ok(m) => m,
+                Err(e) => return Ok(Err(format!("unreadable layout: {e}"))),
+            },
+            Ok(None) => return Ok(Err("missing layout key".into())),
+            Err(e) => return Ok(Err(format!("cannot read layout: {e}"))),
+        };
+        if meta.format != INDEX_FORMAT {
+            return Ok(Err(format!("index format {} (this build writes {INDEX_FORMAT})", meta.format)));
+        }
+        if meta.workers != layout.workers() || meta.segments != layout.segments {
+            return Ok(Err("the run's streams changed".into()));
+        }
+        for fp in &meta.fingerprints {
+            let seg_start =
+                meta.segments.iter().find(|s| s.path == fp.path).map(|s| s.data_start).unwrap_or(0);
+            let now = match FileFingerprint::take(&fp.path, seg_start, fp.last_record_offset) {
+                Ok(now) => now,
+                Err(e) => return Ok(Err(format!("cannot fingerprint: {e}"))),
+            };
+            if now != *fp {
+                return Ok(Err(format!(
+                    "{} changed since it was indexed (length {} → {}, checksum {:#010x} → {:#010x})",
+                    fp.path.display(),
+                    fp.len,
+                    now.len,
+                    fp.crc,
+                    now.crc
+                )));
+            }
+        }
+        let path = path.to_path_buf();
+        Ok(Ok(RunIndex { db, postings: std::sync::OnceLock::new(), path, meta }))
+    }
+
+    fn build_layout(
+        layout: &RunLayout,
+        checkpoint_every: u64,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<RunIndex, IndexError> {
+        let path = Self::index_path(&layout.run);
+        if path.exists() {
+            fs::remove_dir_all(&path)
+                .or_else(|_| fs::remove_file(&path))
+                .map_err(|e| LogError::io(&path, e))?;
+        }
+        fs::create_dir_all(&path).map_err(|e| LogError::io(&path, e))?;
+        let db = sled_config(&path.join("state")).open().map_err(|e| db_err(&path, e))?;
+        let pdb = sled_config(&path.join("postings")).open().map_err(|e| db_err(&path, e))?;
+        let n = layout.headers.len();
+        let mut monotone = vec![true; n];
+        let mut last_at = vec![0u64; n];
+        let mut records = 0u64;
+        let mut fingerprints = Vec::new();
+        let mut checkpoints = Vec::new();
+        let mut batch = sled::Batch::default();
+        let mut pending: std::collections::HashMap<PostingId, PackedPostings> =
+            std::collections::HashMap::new();
+        let mut pending_n = 0usize;
+        let mut flush_no = 0u32;
+        for (si, seg) in layout.segments.iter().enumerate() {
+            let seg16 = si as u16;
+            let mut states: Vec<StreamFold> =
+                seg.streams.iter().map(|&s| StreamFold::new(&layout.headers[s])).collect();
+            // Position of each run stream in `states`.
+            let mut slot = vec![usize::MAX; n];
+            for (k, &s) in seg.streams.iter().enumerate() {
+                slot[s] = k;
+            }
+            let mut reader = SegmentReader::open_at(seg, seg.data_start, vec![0; n])?;
+            let mut in_seg = 0u64;
+            let mut max_at = 0u64;
+            let mut last_offset = seg.data_start;
+            let mut ordinal = 0u64;
+            while let Some((stream, rec)) = reader.next_record()? {
+                let offset = reader.last_record_offset();
+                last_offset = offset;
+                if rec.at_ns < last_at[stream] {
+                    monotone[stream] = false;
+                }
+                last_at[stream] = rec.at_ns;
+                max_at = max_at.max(rec.at_ns);
+                let k = slot[stream];
+                if let Some(st) = states.get_mut(k) {
+                    st.apply(&rec);
+                }
+                if let Some(h) = rec.fact.handoff() {
+                    pending.entry(handoff_pid(h)).or_default().push(seg16, offset);
+                    pending_n += 1;
+                }
+                if let Some(r) = rec.fact.request() {
+                    pending.entry(request_pid(r)).or_default().push(seg16, offset);
+                    pending_n += 1;
+                }
+                if rec.seq % TIME_MARK_EVERY == 0 {
+                    let mut key = vec![b't'];
+                    key.extend_from_slice(&(stream as u16).to_be_bytes());
+                    key.extend_from_slice(&rec.at_ns.to_be_bytes());
+                    key.extend_from_slice(&rec.seq.to_be_bytes());
+                    let mut val = Vec::with_capacity(10);
+                    val.extend_from_slice(&seg16.to_be_bytes());
+                    val.extend_from_slice(&offset.to_be_bytes());
+                    batch.insert(key, val);
+                }
+                in_seg += 1;
+                records += 1;
+                if in_seg % checkpoint_every == 0 {
+                    let cp = Checkpoint {
+                        segment: si,
+                        offset: reader.offset(),
+                        next_seq: reader.next_seqs().to_vec(),
+                        max_at_ns: max_at,
+                        states: states.clone(),
+                    };
+                    let mut blob = Vec::new();
+                    codec::encode_into(&cp, &mut blob)
+                        .map_err(|reason| LogError::Encode { path: path.clone(), reason })?;
+                    batch.insert(checkpoint_key(seg16, max_at, ordinal), blob);
+                    ordinal += 1;
+                    progress(records);
+                }
+                if pending_n >= FLUSH_POSTINGS {
+                    flush_postings(&pdb, &path, &mut pending, &mut flush_no)?;
+                    db.apply_batch(std::mem::take(&mut batch)).map_err(|e| db_err(&path, e))?;
+                    pending_n = 0;
+                }
+            }
+            checkpoints.push(ordinal);
+            fingerprints.push(FileFingerprint::take(&seg.path, seg.data_start, last_offset)?);
+        }
+        flush_postings(&pdb, &path, &mut pending, &mut flush_no)?;
+        pdb.flush().map_err(|e| db_err(&path, e))?;
+        db.apply_batch(batch).map_err(|e| db_err(&path, e))?;
+        let meta = IndexMeta {
+            format: INDEX_FORMAT,
+            workers: layout.workers(),
+            segments: layout.segments.clone(),
+            fingerprints,
+            monotone,
+            records,
+            checkpoints,
+            checkpoint_every,
+        };
+        let json = serde_json::to_vec(&meta).map_err(|e| db_err(&path, e))?;
+        db.insert(KEY_META, json).map_err(|e| db_err(&path, e))?;
+        db.flush().map_err(|e| db_err(&path, e))?;
+        // Written last: an index without it is an interrupted build.
+        db.insert(KEY_COMPLETE, &b"1"[..]).map_err(|e| db_err(&path, e))?;
+        db.flush().map_err(|e| db_err(&path, e))?;
+        progress(records);
+        Ok(RunIndex { db, postings: std::sync::OnceLock::from(Ok(pdb)), path, meta })
+    }
+
+    /// The postings database, opened on first use. A postings database that will not open is
+    /// an error asking for a rebuild (callers such as `show` rebuild and retry).
+    fn postings_db(&self) -> Result<&sled::Db, IndexError> {
+        let p = self.path.join("postings");
+        let opened =
+            self.postings.get_or_init(|| match std::panic::catch_unwind(|| sled_config(&p).open()) {
+                Ok(Ok(db)) => Ok(db),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err("the database is damaged".into()),
+            });
+        match opened {
+            Ok(db) => Ok(db),
+            Err(e) if e.contains("could not acquire lock") => {
+                Err(IndexError::Busy { path: self.path.clone() })
+            }
+            Err(e) => Err(db_err(&self.path, format!("postings database unusable ({e}); rebuild the index"))),
+        }
+    }
+
+    pub fn meta(&self) -> &IndexMeta {
+        &self.meta
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn postings(&self, pid: PostingId) -> Result<Vec<Posting>, IndexError> {
+        let prefix = bucket_prefix(bucket_of(&pid));
+        let mut out = Vec::new();
+        for kv in self.postings_db()?.scan_prefix(prefix) {
+            let (k, v) = kv.map_err(|e| db_err(&self.path, e))?;
+            if k.len() != prefix.len() + 4 || postings_in_bucket(&v, &pid, &mut out).is_none() {
+                return Err(db_err(&self.path, "malformed posting list"));
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// Where every record about `handoff` is (by file and offset; [`RunIndex::read_postings`]
+    /// puts them in merge order).
+    pub fn offsets_for_handoff(&self, handoff: HandoffId) -> Result<Vec<Posting>, IndexError> {
+        self.postings(handoff_pid(handoff))
+    }
+
+    /// Where every record naming `request` ([`Fact::request`]) is.
+    pub fn offsets_for_request(&self, request: RequestId) -> Result<Vec<Posting>, IndexError> {
+        self.postings(request_pid(request))
+    }
+
+    /// Reads the records the postings point at, in the run's merge order: a merged file's own
+    /// order, or for a directory `(at_ns, stream, seq)` — exact when every stream is
+    /// time-ordered ([`IndexMeta::all_monotone`]). Returns each record's stream index.
+    pub fn read_postings(&self, postings: &[Posting]) -> Result<Vec<(usize, Record)>, IndexError> {
+        let mut out = Vec::with_capacity(postings.len());
+        for p in postings {
+            let Some(seg) = self.meta.segments.get(p.segment as usize) else {
+                return Err(db_err(&self.path, "posting names an unknown segment"));
+            };
+            let (stream, rec) = read_record_at(&seg.path, seg.kind, p.offset)?;
+            let stream = match stream {
+                Some(s) => s,
+                None => seg.streams.first().copied().unwrap_or(0),
+            };
+            out.push((p.segment, p.offset, stream, rec));
+        }
+        if self.meta.segments.len() > 1 {
+            out.sort_by_key(|(_, _, stream, rec)| (rec.at_ns, *stream, rec.seq));
+        }
+        Ok(out.into_iter().map(|(_, _, s, r)| (s, r)).collect())
+    }
+
+    /// The latest checkpoint of `segment` whose records all happened at or before `t_ns`.
+    pub fn checkpoint_before(&self, segment: usize, t_ns: u64) -> Result<Option<Checkpoint>, IndexError> {
+        let seg16 = segment as u16;
+        let lo = checkpoint_key(seg16, 0, 0);
+        let hi = checkpoint_key(seg16, t_ns, u64::MAX);
+        let Some(kv) = self.db.range(lo..=hi).next_back() else {
+            return Ok(None);
+        };
+        let (_, v) = kv.map_err(|e| db_err(&self.path, e))?;
+        let cp: Checkpoint =
+            codec::decode_exact(&v).map_err(|e| db_err(&self.path, format!("checkpoint: {e}")))?;
+        if cp.segment != segment {
+            return Err(db_err(&self.path, "checkpoint of another segment"));
+        }
+        Ok(Some(cp))
+    }
+
+    /// The time mark of `worker`'s stream at or before `t_ns`: (segment, offset, seq).
+    pub fn time_mark_before(
+        &self,
+        stream: usize,
+        t_ns: u64,
+    ) -> Result<Option<(usize, u64, u64)>, IndexError> {
+        let mut lo = vec![b't'];
+        lo.extend_from_slice(&(stream as u16).to_be_bytes());
+        let mut hi = lo.clone();
+        lo.extend_from_slice(&[0u8; 16]);
+        hi.extend_from_slice(&t_ns.to_be_bytes());
+        hi.extend_from_slice(&u64::MAX.to_be_bytes());
+        let Some(kv) = self.db.range(lo..=hi).next_back() else {
+            return Ok(None);
+        };
+        let (k, v) = kv.map_err(|e| db_err(&self.path, e))?;
+        if k.len() != 19 || v.len() != 10 {
+            return Err(db_err(&self.path, "malformed time mark"));
+        }
+        Ok(Some((
+            u16::from_be_bytes([v[0], v[1]]) as usize,
+            u64::from_be_bytes(fixed8(&v[2..10])),
+            u64::from_be_bytes(fixed8(&k[11..19])),
+        )))
+    }
+}
