@@ -158,6 +158,11 @@ impl<E: std::error::Error> From<E> for CliError {
 }
 
 fn main() -> ExitCode {
+    // Diagnostics (e.g. refused commands inside a replay) go to stderr when asked for with
+    // HANDOFF_LOG=debug; the default is silent so stdout and stderr stay for results and errors.
+    let filter = tracing_subscriber::EnvFilter::try_from_env("HANDOFF_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Verify { logs, json } => cmd_verify::run(&logs, json),
