@@ -20,6 +20,7 @@
 //! core attaches to the fact that caused it.
 
 use crate::events::{BlockHash, Fact, KvDelta};
+use crate::schedulers::vllm::block_pool::IntBuild;
 use std::collections::{BTreeSet, HashMap};
 
 pub(crate) type NodeId = u32;
@@ -104,7 +105,7 @@ pub(crate) struct KvPool {
     nodes: Vec<Node>,
     spare_ids: Vec<NodeId>,
     /// Pure lookup; never iterated into output.
-    by_hash: HashMap<BlockHash, NodeId>,
+    by_hash: HashMap<BlockHash, NodeId, IntBuild>,
     /// Unlocked leaves by (last touch, id): the eviction order.
     evictable: BTreeSet<(u64, NodeId)>,
     tick: u64,
@@ -126,7 +127,7 @@ impl KvPool {
             total,
             nodes: Vec::new(),
             spare_ids: Vec::new(),
-            by_hash: HashMap::new(),
+            by_hash: HashMap::default(),
             evictable: BTreeSet::new(),
             tick: 0,
             free_pages: total,
