@@ -22,10 +22,15 @@
 //! ## Cost
 //! Every operation is O(1) (hash lookup, stack pop, intrusive list unlink); only [`BlockPool::audit`]
 //! walks all blocks.
+//!
+//! The hash index is intrusive: a fixed bucket array (twice the block count, so chains stay short)
+//! holds the first block of each chain, and each block links to its chain neighbours. Evicting a
+//! cached block is by far the most frequent index operation in a replay; with the links in the
+//! block it only writes (no lookup whose cache miss the CPU must wait for). The index is never
+//! iterated into output.
 
 use crate::events::{BlockHash, KvDelta};
 use crate::projections::capacity::KvCapacitySnapshot;
-use std::collections::HashMap;
 
 /// A hasher for keys that are single integers (block hashes, request ids). SipHash's DoS
 /// resistance buys nothing in a simulator and costs most of a decode step's time; a multiply-
@@ -56,6 +61,8 @@ pub type IntBuild = std::hash::BuildHasherDefault<IntHasher>;
 pub type BlockId = u32;
 
 const NIL: u32 = u32::MAX;
+/// `Block::hprev` of a block that has no hash (and so is in no chain).
+const UNHASHED: u32 = u32::MAX - 1;
 
 /// Who holds a reference.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,14 +86,25 @@ enum Class {
 
 #[derive(Clone, Debug)]
 struct Block {
-    hash: Option<BlockHash>,
+    /// Valid only when `hprev != UNHASHED` (kept as a bare u64 so a block is 40 bytes).
+    hash: BlockHash,
     refs: [u32; 3],
     /// Intrusive LRU links (valid only while cached-free).
     prev: u32,
     next: u32,
+    /// Intrusive hash-chain links: `hprev` is `UNHASHED` for a block without a hash, `NIL` for
+    /// the first block of its bucket's chain.
+    hprev: u32,
+    hnext: u32,
 }
 
 impl Block {
+    const EMPTY: Block = Block { hash: 0, refs: [0; 3], prev: NIL, next: NIL, hprev: UNHASHED, hnext: NIL };
+
+    fn hash(&self) -> Option<BlockHash> {
+        (self.hprev != UNHASHED).then_some(self.hash)
+    }
+
     fn class(&self) -> Class {
         if self.refs[Owner::Active as usize] > 0 {
             Class::Active
@@ -94,7 +112,7 @@ impl Block {
             Class::Reserved
         } else if self.refs[Owner::Pinned as usize] > 0 {
             Class::Pinned
-        } else if self.hash.is_some() {
+        } else if self.hprev != UNHASHED {
             Class::Cached
         } else {
             Class::Free
@@ -111,8 +129,11 @@ pub struct PoolError(pub String);
 #[derive(Clone, Debug)]
 pub struct BlockPool {
     blocks: Vec<Block>,
-    /// hash → canonical block. Pure lookup, never iterated into output.
-    by_hash: HashMap<BlockHash, BlockId, IntBuild>,
+    /// Hash index (see the module docs): bucket → first block of its chain, or `NIL`. Every
+    /// block with a hash is in it, and is its hash's canonical block.
+    heads: Vec<u32>,
+    /// `64 − log2(heads.len())`: a bucket is the top bits of the hash times an odd constant.
+    bucket_shift: u32,
     /// Plain free blocks (no hash), used as a stack.
     free: Vec<BlockId>,
     lru_head: u32,
@@ -164,12 +185,15 @@ fn delta_bump(d: &mut KvDelta, c: Class, by: i32) {
 
 impl BlockPool {
     pub fn new(total: u32) -> Self {
-        let blocks = vec![Block { hash: None, refs: [0; 3], prev: NIL, next: NIL }; total as usize];
+        let blocks = vec![Block::EMPTY; total as usize];
         // Pop order: lowest id first (deterministic).
         let free: Vec<BlockId> = (0..total).rev().collect();
+        // At most one hash per block: twice as many buckets keeps the load at or under a half.
+        let buckets = (2 * total as u64).next_power_of_two().max(2);
         BlockPool {
             blocks,
-            by_hash: HashMap::default(),
+            heads: vec![NIL; buckets as usize],
+            bucket_shift: 64 - buckets.trailing_zeros(),
             free,
             lru_head: NIL,
             lru_tail: NIL,
@@ -199,7 +223,55 @@ impl BlockPool {
 
     /// The canonical block holding `hash`, if any (referenced or cached-free).
     pub fn lookup(&self, hash: BlockHash) -> Option<BlockId> {
-        self.by_hash.get(&hash).copied()
+        let mut b = self.heads[self.bucket(hash)];
+        while b != NIL {
+            let blk = &self.blocks[b as usize];
+            if blk.hash == hash {
+                return Some(b);
+            }
+            b = blk.hnext;
+        }
+        None
+    }
+
+    fn bucket(&self, hash: BlockHash) -> usize {
+        // Fibonacci hashing: the top bits of the product spread any key, mixed or sequential.
+        (hash.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> self.bucket_shift) as usize
+    }
+
+    /// Gives hashless block `b` its hash and links it first in its bucket's chain.
+    fn index_insert(&mut self, b: BlockId, hash: BlockHash) {
+        let k = self.bucket(hash);
+        let head = self.heads[k];
+        let blk = &mut self.blocks[b as usize];
+        blk.hash = hash;
+        blk.hprev = NIL;
+        blk.hnext = head;
+        if head != NIL {
+            self.blocks[head as usize].hprev = b;
+        }
+        self.heads[k] = b;
+    }
+
+    /// Unlinks hashed block `b` from its chain and clears its hash: only writes to its
+    /// neighbours (or the bucket), no search.
+    fn index_remove(&mut self, b: BlockId) {
+        let (hash, p, n) = {
+            let blk = &self.blocks[b as usize];
+            (blk.hash, blk.hprev, blk.hnext)
+        };
+        if p == NIL {
+            let k = self.bucket(hash);
+            self.heads[k] = n;
+        } else {
+            self.blocks[p as usize].hnext = n;
+        }
+        if n != NIL {
+            self.blocks[n as usize].hprev = p;
+        }
+        let blk = &mut self.blocks[b as usize];
+        blk.hprev = UNHASHED;
+        blk.hnext = NIL;
     }
 
     /// True if the block is cached-free (unreferenced, evictable): acquiring it takes it out of
@@ -214,7 +286,7 @@ impl BlockPool {
     }
 
     pub fn hash_of(&self, b: BlockId) -> Option<BlockHash> {
-        self.blocks.get(b as usize).and_then(|x| x.hash)
+        self.blocks.get(b as usize).and_then(|x| x.hash())
     }
 
     /// Drains the class changes since the last call (to attach to a fact).
@@ -341,18 +413,16 @@ impl BlockPool {
         if b == NIL {
             return None;
         }
-        // Evict: cached → (no hash) → owner class.
-        if let Some(h) = self.blocks[b as usize].hash {
-            if self.by_hash.get(&h) == Some(&b) {
-                self.by_hash.remove(&h);
-            }
+        // Evict: cached → (no hash) → owner class. A hashed block is always its hash's
+        // canonical block (set_hash never hashes a duplicate), so it is the index entry.
+        if let Some(h) = self.blocks[b as usize].hash() {
+            self.index_remove(b);
             self.removed.push(h);
         }
         self.lru_unlink(b);
         self.counts.bump(Class::Cached, false);
         delta_bump(&mut self.acc, Class::Cached, -1);
         let blk = &mut self.blocks[b as usize];
-        blk.hash = None;
         blk.refs[owner as usize] += 1;
         let new = blk.class();
         self.counts.bump(new, true);
@@ -364,7 +434,7 @@ impl BlockPool {
     /// nothing changes and the canonical block is returned (the caller adopts it and releases
     /// its own copy).
     pub fn set_hash(&mut self, b: BlockId, hash: BlockHash) -> Result<Option<BlockId>, PoolError> {
-        if let Some(&c) = self.by_hash.get(&hash) {
+        if let Some(c) = self.lookup(hash) {
             if c != b {
                 return Ok(Some(c));
             }
@@ -373,12 +443,11 @@ impl BlockPool {
         let Some(blk) = self.blocks.get_mut(b as usize) else {
             return Err(PoolError(format!("hash of unknown block {b}")));
         };
-        if blk.hash.is_some() {
+        if blk.hprev != UNHASHED {
             return Err(PoolError(format!("block {b} already has a hash")));
         }
         // A referenced block keeps its class when it gains a hash.
-        blk.hash = Some(hash);
-        self.by_hash.insert(hash, b);
+        self.index_insert(b, hash);
         Ok(None)
     }
 
@@ -402,15 +471,32 @@ impl BlockPool {
         let mut c = Counts::default();
         for (i, blk) in self.blocks.iter().enumerate() {
             c.bump(blk.class(), true);
-            if let Some(h) = blk.hash {
-                if self.by_hash.get(&h) != Some(&(i as u32)) {
+            if let Some(h) = blk.hash() {
+                if self.lookup(h) != Some(i as u32) {
                     return Err(PoolError(format!(
                         "block {i} has hash {h:#x} but is not its canonical block"
                     )));
                 }
             }
         }
-        if self.by_hash.len() as u64 != self.blocks.iter().filter(|b| b.hash.is_some()).count() as u64 {
+        let mut chained = 0u64;
+        for (k, &head) in self.heads.iter().enumerate() {
+            let mut prev = NIL;
+            let mut cur = head;
+            while cur != NIL {
+                let blk = &self.blocks[cur as usize];
+                if blk.hprev != prev || self.bucket(blk.hash) != k {
+                    return Err(PoolError(format!("hash chain corrupt at block {cur}")));
+                }
+                chained += 1;
+                if chained > self.total() {
+                    return Err(PoolError("hash chain has a cycle".into()));
+                }
+                prev = cur;
+                cur = blk.hnext;
+            }
+        }
+        if chained != self.blocks.iter().filter(|b| b.hash().is_some()).count() as u64 {
             return Err(PoolError("hash index size differs from hashed blocks".into()));
         }
         if self.free.len() as u64 != c.free {
