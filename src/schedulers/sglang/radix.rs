@@ -18,12 +18,19 @@
 //! activation anyway; a pin only keeps a page from eviction, the weakest claim. When a lock or
 //! unlock changes a node's class, the move is recorded in the pending delta (`acc`), which the
 //! core attaches to the fact that caused it.
+//!
+//! ## Hash index
+//! hash → node is intrusive: a fixed bucket array (twice the page count) holds each chain's first
+//! node and nodes link to their chain neighbours, so evicting a node (the most frequent index
+//! operation in a replay) unlinks it with writes only. Never iterated into output.
 
 use crate::events::{BlockHash, Fact, KvDelta};
-use crate::schedulers::vllm::block_pool::IntBuild;
 use std::collections::{BTreeSet, HashMap};
 
 pub(crate) type NodeId = u32;
+
+/// No node (an empty bucket, a chain's end).
+const NIL: u32 = u32::MAX;
 
 /// Physical class of a page; exactly one per page.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,6 +82,9 @@ struct Node {
     /// Last touch, for LRU eviction.
     tick: u64,
     live: bool,
+    /// Hash-chain links (valid while live): `hprev` is `NIL` for the first node of its bucket.
+    hprev: u32,
+    hnext: u32,
 }
 
 impl Node {
@@ -104,8 +114,12 @@ pub(crate) struct KvPool {
     total: u32,
     nodes: Vec<Node>,
     spare_ids: Vec<NodeId>,
-    /// Pure lookup; never iterated into output.
-    by_hash: HashMap<BlockHash, NodeId, IntBuild>,
+    /// Hash index (module docs): bucket → first live node of its chain, or `NIL`.
+    heads: Vec<u32>,
+    /// `64 − log2(heads.len())`.
+    bucket_shift: u32,
+    /// Live nodes (= index entries).
+    indexed: usize,
     /// Unlocked leaves by (last touch, id): the eviction order.
     evictable: BTreeSet<(u64, NodeId)>,
     tick: u64,
@@ -123,11 +137,15 @@ impl KvPool {
     pub(crate) fn new(total: u32) -> Self {
         let mut counts = [0u64; 5];
         counts[Class::Free as usize] = total as u64;
+        // A live node holds a page: twice as many buckets keeps the load at or under a half.
+        let buckets = (2 * total as u64).next_power_of_two().max(2);
         KvPool {
             total,
             nodes: Vec::new(),
             spare_ids: Vec::new(),
-            by_hash: HashMap::default(),
+            heads: vec![NIL; buckets as usize],
+            bucket_shift: 64 - buckets.trailing_zeros(),
+            indexed: 0,
             evictable: BTreeSet::new(),
             tick: 0,
             free_pages: total,
@@ -178,13 +196,63 @@ impl KvPool {
         self.tick
     }
 
+    fn bucket(&self, hash: BlockHash) -> usize {
+        // Fibonacci hashing: the top bits of the product spread any key.
+        (hash.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> self.bucket_shift) as usize
+    }
+
+    /// The live node with this hash, if any.
+    fn find(&self, hash: BlockHash) -> Option<NodeId> {
+        let mut id = self.heads[self.bucket(hash)];
+        while id != NIL {
+            let n = &self.nodes[id as usize];
+            if n.hash == hash {
+                return Some(id);
+            }
+            id = n.hnext;
+        }
+        None
+    }
+
+    /// Links live node `id` first in its hash's chain.
+    fn index_insert(&mut self, id: NodeId) {
+        let k = self.bucket(self.nodes[id as usize].hash);
+        let head = self.heads[k];
+        let n = &mut self.nodes[id as usize];
+        n.hprev = NIL;
+        n.hnext = head;
+        if head != NIL {
+            self.nodes[head as usize].hprev = id;
+        }
+        self.heads[k] = id;
+        self.indexed += 1;
+    }
+
+    /// Unlinks node `id` from its chain: writes to its neighbours (or the bucket) only.
+    fn index_remove(&mut self, id: NodeId) {
+        let (hash, p, n) = {
+            let x = &self.nodes[id as usize];
+            (x.hash, x.hprev, x.hnext)
+        };
+        if p == NIL {
+            let k = self.bucket(hash);
+            self.heads[k] = n;
+        } else {
+            self.nodes[p as usize].hnext = n;
+        }
+        if n != NIL {
+            self.nodes[n as usize].hprev = p;
+        }
+        self.indexed -= 1;
+    }
+
     /// The longest cached root path along `hashes`, at most `max_pages` long.
     pub(crate) fn match_prefix(&self, hashes: &[BlockHash], max_pages: usize) -> Vec<NodeId> {
         let mut out = Vec::new();
         let mut parent = None;
         for h in hashes.iter().take(max_pages) {
-            match self.by_hash.get(h) {
-                Some(&id) if self.nodes[id as usize].parent == parent => {
+            match self.find(*h) {
+                Some(id) if self.nodes[id as usize].parent == parent => {
                     out.push(id);
                     parent = Some(id);
                 }
@@ -242,7 +310,7 @@ impl KvPool {
             let node = &mut self.nodes[id as usize];
             node.live = false;
             let (hash, parent) = (node.hash, node.parent);
-            self.by_hash.remove(&hash);
+            self.index_remove(id);
             self.removed.push(hash);
             if let Some(p) = parent {
                 let pn = &mut self.nodes[p as usize];
@@ -289,8 +357,8 @@ impl KvPool {
         while h.nodes.len() < upto.min(hashes.len()) && h.private > 0 {
             let hash = hashes[h.nodes.len()];
             let parent = h.nodes.last().copied();
-            match self.by_hash.get(&hash) {
-                Some(&id) => {
+            match self.find(hash) {
+                Some(id) => {
                     if self.nodes[id as usize].parent != parent {
                         break; // a 64-bit hash collision: keep the page private
                     }
@@ -302,7 +370,16 @@ impl KvPool {
                     let t = self.next_tick();
                     let mut locks = [0; 3];
                     locks[h.kind as usize] = 1;
-                    let node = Node { hash, parent, children: 0, locks, tick: t, live: true };
+                    let node = Node {
+                        hash,
+                        parent,
+                        children: 0,
+                        locks,
+                        tick: t,
+                        live: true,
+                        hprev: NIL,
+                        hnext: NIL,
+                    };
                     let id = match self.spare_ids.pop() {
                         Some(id) => {
                             self.nodes[id as usize] = node;
@@ -317,7 +394,7 @@ impl KvPool {
                         // The parent is on the holder's locked path, so never in `evictable`.
                         self.nodes[p as usize].children += 1;
                     }
-                    self.by_hash.insert(hash, id);
+                    self.index_insert(id);
                     if stored.is_empty() {
                         stored_parent = parent.map(|p| self.nodes[p as usize].hash);
                     }
@@ -385,6 +462,6 @@ impl KvPool {
     /// Nodes currently cached (tests).
     #[allow(dead_code)]
     pub(crate) fn cached_nodes(&self) -> usize {
-        self.by_hash.len()
+        self.indexed
     }
 }
