@@ -269,8 +269,21 @@ impl VllmCore {
         let Some(mut s) = self.seqs.remove(&id) else { return };
         let full = ((s.computed / bs) as usize).min(s.blocks.len());
         let mut run: Option<(Option<BlockHash>, Vec<BlockHash>)> = None;
+        // Prompt hashes are known ahead: prefetch buckets, then chain heads, a few blocks ahead.
+        const BUCKET_AHEAD: usize = 12;
+        const CHAIN_AHEAD: usize = 6;
+        let known = full.min(s.hashes.len());
+        for b in s.hashed..(s.hashed + BUCKET_AHEAD).min(known) {
+            self.pool.prefetch_bucket(s.blocks[b], s.hashes[b]);
+        }
         while s.hashed < full {
             let b = s.hashed;
+            if b + BUCKET_AHEAD < known {
+                self.pool.prefetch_bucket(s.blocks[b + BUCKET_AHEAD], s.hashes[b + BUCKET_AHEAD]);
+            }
+            if b + CHAIN_AHEAD < known {
+                self.pool.prefetch_chain(s.hashes[b + CHAIN_AHEAD]);
+            }
             if s.hashes.len() <= b {
                 let parent = if b == 0 { ROOT_HASH } else { s.hashes[b - 1] };
                 s.hashes.push(decode_block_hash(parent, s.req.id, b as u32));
