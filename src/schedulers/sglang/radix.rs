@@ -25,7 +25,9 @@
 //! operation in a replay) unlinks it with writes only. Never iterated into output.
 
 use crate::events::{BlockHash, Fact, KvDelta};
-use std::collections::{BTreeSet, HashMap};
+use crate::schedulers::vllm::block_pool::prefetch;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 
 pub(crate) type NodeId = u32;
 
@@ -120,8 +122,14 @@ pub(crate) struct KvPool {
     bucket_shift: u32,
     /// Live nodes (= index entries).
     indexed: usize,
-    /// Unlocked leaves by (last touch, id): the eviction order.
-    evictable: BTreeSet<(u64, NodeId)>,
+    /// Unlocked leaves by (last touch, id), smallest first: the eviction order. A min-heap
+    /// with lazy deletion: locking a leaf leaves its entry behind, and an entry counts only
+    /// while its node is live, an unlocked leaf, and still has that tick (ticks are unique and
+    /// every lock or unlock renews a node's tick, so a stale entry never matches again). So
+    /// the smallest valid entry is exactly what an ordered set of the evictable leaves would
+    /// give, without a tree insertion per unlock. Compacted when stale entries pile up, so its
+    /// size stays bounded by the node count.
+    evictable: BinaryHeap<Reverse<(u64, NodeId)>>,
     tick: u64,
     free_pages: u32,
     counts: [u64; 5],
@@ -146,7 +154,7 @@ impl KvPool {
             heads: vec![NIL; buckets as usize],
             bucket_shift: 64 - buckets.trailing_zeros(),
             indexed: 0,
-            evictable: BTreeSet::new(),
+            evictable: BinaryHeap::new(),
             tick: 0,
             free_pages: total,
             counts,
@@ -214,6 +222,18 @@ impl KvPool {
         None
     }
 
+    /// Starts loading `hash`'s bucket (a few pages before it is looked up).
+    fn prefetch_bucket(&self, hash: BlockHash) {
+        prefetch(&self.heads[self.bucket(hash)]);
+    }
+
+    /// Starts loading the first node of `hash`'s chain (its bucket should be cached by now).
+    fn prefetch_chain(&self, hash: BlockHash) {
+        if let Some(n) = self.nodes.get(self.heads[self.bucket(hash)] as usize) {
+            prefetch(n);
+        }
+    }
+
     /// Links live node `id` first in its hash's chain.
     fn index_insert(&mut self, id: NodeId) {
         let k = self.bucket(self.nodes[id as usize].hash);
@@ -271,9 +291,7 @@ impl KvPool {
         let t = self.next_tick();
         let n = &mut self.nodes[id as usize];
         let old = class_of(&n.locks);
-        if n.unlocked() && n.children == 0 {
-            self.evictable.remove(&(n.tick, id));
-        }
+        // An evictable leaf's heap entry goes stale here (its tick changes below).
         n.locks[kind as usize] += 1;
         n.tick = t;
         let new = class_of(&n.locks);
@@ -288,9 +306,31 @@ impl KvPool {
         n.tick = t;
         let new = class_of(&n.locks);
         if n.unlocked() && n.children == 0 {
-            self.evictable.insert((t, id));
+            self.push_evictable(t, id);
         }
         self.move_class(old, new, 1);
+    }
+
+    fn push_evictable(&mut self, tick: u64, id: NodeId) {
+        if self.evictable.len() >= 2 * self.nodes.len() + 64 {
+            let nodes = &self.nodes;
+            self.evictable.retain(|&Reverse((t, i))| Self::evictable_entry(nodes, t, i));
+        }
+        self.evictable.push(Reverse((tick, id)));
+    }
+
+    fn evictable_entry(nodes: &[Node], tick: u64, id: NodeId) -> bool {
+        nodes.get(id as usize).is_some_and(|n| n.live && n.unlocked() && n.children == 0 && n.tick == tick)
+    }
+
+    /// The least recently touched unlocked leaf, taken out of the eviction order.
+    fn pop_evictable(&mut self) -> Option<NodeId> {
+        while let Some(Reverse((t, id))) = self.evictable.pop() {
+            if Self::evictable_entry(&self.nodes, t, id) {
+                return Some(id);
+            }
+        }
+        None
     }
 
     /// Locks `ids` (a root path continuing the holder's own) for the holder.
@@ -304,7 +344,7 @@ impl KvPool {
     /// Evicts `n` unlocked leaves, least recently used first. False if there were too few.
     fn evict(&mut self, n: u64) -> bool {
         for _ in 0..n {
-            let Some((_, id)) = self.evictable.pop_first() else {
+            let Some(id) = self.pop_evictable() else {
                 return false;
             };
             let node = &mut self.nodes[id as usize];
@@ -316,7 +356,8 @@ impl KvPool {
                 let pn = &mut self.nodes[p as usize];
                 pn.children -= 1;
                 if pn.children == 0 && pn.unlocked() {
-                    self.evictable.insert((pn.tick, p));
+                    let t = pn.tick;
+                    self.push_evictable(t, p);
                 }
             }
             self.spare_ids.push(id);
@@ -354,7 +395,21 @@ impl KvPool {
     pub(crate) fn insert(&mut self, h: &mut Holder, hashes: &[BlockHash], upto: usize) -> Option<Fact> {
         let mut stored = Vec::new();
         let mut stored_parent = None;
-        while h.nodes.len() < upto.min(hashes.len()) && h.private > 0 {
+        // The hashes are known ahead: prefetch buckets, then chain heads, a few pages ahead.
+        const BUCKET_AHEAD: usize = 12;
+        const CHAIN_AHEAD: usize = 6;
+        let end = upto.min(hashes.len());
+        for k in h.nodes.len()..(h.nodes.len() + BUCKET_AHEAD).min(end) {
+            self.prefetch_bucket(hashes[k]);
+        }
+        while h.nodes.len() < end && h.private > 0 {
+            let k = h.nodes.len();
+            if k + BUCKET_AHEAD < end {
+                self.prefetch_bucket(hashes[k + BUCKET_AHEAD]);
+            }
+            if k + CHAIN_AHEAD < end {
+                self.prefetch_chain(hashes[k + CHAIN_AHEAD]);
+            }
             let hash = hashes[h.nodes.len()];
             let parent = h.nodes.last().copied();
             match self.find(hash) {
