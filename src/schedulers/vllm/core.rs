@@ -128,6 +128,9 @@ enum Dst {
         request: Request,
         blocks: Vec<BlockId>,
         prefix_blocks: u32,
+        /// The prompt's block hashes, computed for the reservation's prefix match and kept for
+        /// activation.
+        hashes: Vec<BlockHash>,
     },
     Activated(RequestId),
 }
@@ -156,6 +159,9 @@ pub struct VllmCore {
     next_reservation: u64,
     internal_error: Option<String>,
 }
+
+/// A reservation that fits: (blocks, prefix blocks, fresh pages, prompt block hashes).
+type Reservation = (Vec<BlockId>, u32, u32, Vec<BlockHash>);
 
 fn slots(n: i32) -> KvDelta {
     KvDelta { slots: n, ..KvDelta::ZERO }
@@ -514,8 +520,8 @@ impl VllmCore {
     }
 
     /// Reserves destination capacity for `req` if it fits now: cached prefix (Reserved refs)
-    /// plus fresh hashless pages. Returns (blocks, prefix_blocks, pages).
-    fn try_reserve(&mut self, req: &Request) -> Option<(Vec<BlockId>, u32, u32)> {
+    /// plus fresh hashless pages. Returns (blocks, prefix_blocks, pages, prompt hashes).
+    fn try_reserve(&mut self, req: &Request) -> Option<Reservation> {
         let hashes = self.prompt_hashes(req);
         let total = self.blocks_for(req.input_tokens.max(1) as u64);
         let (matched, matched_cached) = self.match_prefix(&hashes, hashes.len());
@@ -539,7 +545,7 @@ impl VllmCore {
                 None => self.note_err::<String>(Err("reservation allocation failed after check".into())),
             }
         }
-        Some((blocks, prefix_blocks, pages as u32))
+        Some((blocks, prefix_blocks, pages as u32, hashes))
     }
 
     /// Records a successful reservation: fact, output, state.
@@ -548,10 +554,10 @@ impl VllmCore {
         handoff: HandoffId,
         request: Request,
         deadline_ns: u64,
-        got: (Vec<BlockId>, u32, u32),
+        got: Reservation,
         fx: &mut Effects,
     ) {
-        let (blocks, prefix_blocks, pages) = got;
+        let (blocks, prefix_blocks, pages, hashes) = got;
         let reservation = DestinationReservationId(self.next_reservation);
         self.next_reservation += 1;
         let prefix_tokens = (prefix_blocks as u64 * self.bs() as u64).min(request.input_tokens as u64) as u32;
@@ -575,7 +581,7 @@ impl VllmCore {
         };
         fx.outputs.push(EngineOutput::DestinationReserved { handoff, reservation, summary });
         self.reserved += 1;
-        self.dests.insert(handoff, Dst::Reserved { reservation, request, blocks, prefix_blocks });
+        self.dests.insert(handoff, Dst::Reserved { reservation, request, blocks, prefix_blocks, hashes });
     }
 
     /// Retries the pending FIFO's head while capacity changed since its last attempt.
@@ -860,7 +866,8 @@ impl EngineCore for VllmCore {
             Some(Dst::Activated(_)) => return self.finish_command(Ok(CommandOutcome::NoOp), fx),
             Some(Dst::Reserved { .. }) => {}
         }
-        let Some(Dst::Reserved { reservation, request, blocks, prefix_blocks }) = self.dests.remove(&handoff)
+        let Some(Dst::Reserved { reservation, request, blocks, prefix_blocks, hashes }) =
+            self.dests.remove(&handoff)
         else {
             return self.finish_command(Err(CommandError::UnknownHandoff(handoff)), fx);
         };
@@ -870,7 +877,6 @@ impl EngineCore for VllmCore {
             self.note_err(r);
         }
         let id = request.id;
-        let hashes = self.prompt_hashes(&request);
         let prompt = request.input_tokens.max(1);
         // Prefix blocks already carry their hashes (never republished); hashing starts at the
         // first fresh page.
