@@ -20,8 +20,8 @@
 //! `RequestFinished` delta.
 //!
 //! ## Cost
-//! Every operation is O(1) (hash lookup, stack pop, intrusive list unlink); only [`BlockPool::audit`]
-//! walks all blocks.
+//! Every operation is O(1), amortized for the LRU queue's compaction (hash lookup, stack pop,
+//! queue push/pop); only [`BlockPool::audit`] walks all blocks.
 //!
 //! The hash index is intrusive: a fixed bucket array (twice the block count, so chains stay short)
 //! holds the first block of each chain, and each block links to its chain neighbours. Evicting a
@@ -31,6 +31,7 @@
 
 use crate::events::{BlockHash, KvDelta};
 use crate::projections::capacity::KvCapacitySnapshot;
+use std::collections::VecDeque;
 
 /// A hasher for keys that are single integers (block hashes, request ids). SipHash's DoS
 /// resistance buys nothing in a simulator and costs most of a decode step's time; a multiply-
@@ -101,12 +102,12 @@ enum Class {
 
 #[derive(Clone, Debug)]
 struct Block {
-    /// Valid only when `hprev != UNHASHED` (kept as a bare u64 so a block is 40 bytes).
+    /// Valid only when `hprev != UNHASHED` (kept as a bare u64 so a block is 32 bytes).
     hash: BlockHash,
     refs: [u32; 3],
-    /// Intrusive LRU links (valid only while cached-free).
-    prev: u32,
-    next: u32,
+    /// Bumped each time the block enters the LRU queue; only the queue entry carrying the
+    /// current stamp (while the block is cached-free) is live.
+    lru_stamp: u32,
     /// Intrusive hash-chain links: `hprev` is `UNHASHED` for a block without a hash, `NIL` for
     /// the first block of its bucket's chain.
     hprev: u32,
@@ -114,7 +115,7 @@ struct Block {
 }
 
 impl Block {
-    const EMPTY: Block = Block { hash: 0, refs: [0; 3], prev: NIL, next: NIL, hprev: UNHASHED, hnext: NIL };
+    const EMPTY: Block = Block { hash: 0, refs: [0; 3], lru_stamp: 0, hprev: UNHASHED, hnext: NIL };
 
     fn hash(&self) -> Option<BlockHash> {
         (self.hprev != UNHASHED).then_some(self.hash)
@@ -151,8 +152,12 @@ pub struct BlockPool {
     bucket_shift: u32,
     /// Plain free blocks (no hash), used as a stack.
     free: Vec<BlockId>,
-    lru_head: u32,
-    lru_tail: u32,
+    /// Cached-free blocks in the order they became cached (the eviction order), with lazy
+    /// deletion: an entry `(block, stamp)` is live only while the block is cached-free with that
+    /// stamp, so a block leaving the cache needs no unlink. Victims are read from a contiguous
+    /// queue, so the next ones can be prefetched (a linked list would be a chain of cache
+    /// misses). Compacted when dead entries pile up: at most about twice the block count.
+    lru: VecDeque<(BlockId, u32)>,
     counts: Counts,
     /// Class changes not yet attached to a fact.
     acc: KvDelta,
@@ -210,8 +215,7 @@ impl BlockPool {
             heads: vec![NIL; buckets as usize],
             bucket_shift: 64 - buckets.trailing_zeros(),
             free,
-            lru_head: NIL,
-            lru_tail: NIL,
+            lru: VecDeque::new(),
             counts: Counts { free: total as u64, ..Default::default() },
             acc: KvDelta::ZERO,
             removed: Vec::new(),
@@ -332,39 +336,28 @@ impl BlockPool {
         std::mem::take(&mut self.removed)
     }
 
-    fn lru_unlink(&mut self, b: BlockId) {
-        let (p, n) = {
-            let blk = &self.blocks[b as usize];
-            (blk.prev, blk.next)
-        };
-        if p == NIL {
-            self.lru_head = n;
-        } else {
-            self.blocks[p as usize].next = n;
-        }
-        if n == NIL {
-            self.lru_tail = p;
-        } else {
-            self.blocks[n as usize].prev = p;
-        }
-        let blk = &mut self.blocks[b as usize];
-        blk.prev = NIL;
-        blk.next = NIL;
+    fn lru_live(blocks: &[Block], b: BlockId, stamp: u32) -> bool {
+        blocks.get(b as usize).is_some_and(|blk| blk.lru_stamp == stamp && blk.class() == Class::Cached)
     }
 
     fn lru_push_tail(&mut self, b: BlockId) {
-        let t = self.lru_tail;
-        {
-            let blk = &mut self.blocks[b as usize];
-            blk.prev = t;
-            blk.next = NIL;
+        if self.lru.len() >= 2 * self.blocks.len() + 64 {
+            let blocks = &self.blocks;
+            self.lru.retain(|&(x, stamp)| Self::lru_live(blocks, x, stamp));
         }
-        if t == NIL {
-            self.lru_head = b;
-        } else {
-            self.blocks[t as usize].next = b;
+        let blk = &mut self.blocks[b as usize];
+        blk.lru_stamp = blk.lru_stamp.wrapping_add(1);
+        self.lru.push_back((b, blk.lru_stamp));
+    }
+
+    /// Takes the least recently cached live block out of the queue.
+    fn lru_pop_head(&mut self) -> Option<BlockId> {
+        while let Some((b, stamp)) = self.lru.pop_front() {
+            if Self::lru_live(&self.blocks, b, stamp) {
+                return Some(b);
+            }
         }
-        self.lru_tail = b;
+        None
     }
 
     /// Applies `f` to block `b` and books the resulting class change (structures, counters,
@@ -376,9 +369,7 @@ impl BlockPool {
         if old == new {
             return;
         }
-        if old == Class::Cached {
-            self.lru_unlink(b);
-        }
+        // Leaving the cache: the block's queue entry is dead from now on (class check).
         match new {
             Class::Cached => {
                 self.lru_push_tail(b);
@@ -442,18 +433,11 @@ impl BlockPool {
             delta_bump(&mut self.acc, new, 1);
             return Some(b);
         }
-        let b = self.lru_head;
-        if b == NIL {
-            return None;
-        }
-        // Evictions come in runs (a request's blocks): fetch the victim after next now. The
-        // next victim's line was fetched the same way one eviction ago.
-        let n = self.blocks[b as usize].next;
-        if n != NIL {
-            let nn = self.blocks[n as usize].next;
-            if let Some(blk) = self.blocks.get(nn as usize) {
-                prefetch(blk);
-            }
+        let b = self.lru_pop_head()?;
+        // Evictions come in runs (a request's blocks): fetch a victim a few places ahead now.
+        const EVICT_AHEAD: usize = 8;
+        if let Some(blk) = self.lru.get(EVICT_AHEAD).and_then(|&(x, _)| self.blocks.get(x as usize)) {
+            prefetch(blk);
         }
         // Evict: cached → (no hash) → owner class. A hashed block is always its hash's
         // canonical block (set_hash never hashes a duplicate), so it is the index entry.
@@ -461,7 +445,6 @@ impl BlockPool {
             self.index_remove(b);
             self.removed.push(h);
         }
-        self.lru_unlink(b);
         self.counts.bump(Class::Cached, false);
         delta_bump(&mut self.acc, Class::Cached, -1);
         let blk = &mut self.blocks[b as usize];
@@ -547,23 +530,14 @@ impl BlockPool {
         if self.free.iter().any(|&b| self.blocks[b as usize].class() != Class::Free) {
             return Err(PoolError("free stack holds a non-free block".into()));
         }
-        let mut n = 0u64;
-        let mut cur = self.lru_head;
-        let mut prev = NIL;
-        while cur != NIL {
-            let blk = &self.blocks[cur as usize];
-            if blk.class() != Class::Cached || blk.prev != prev {
-                return Err(PoolError(format!("LRU corrupt at block {cur}")));
-            }
-            n += 1;
-            if n > self.total() {
-                return Err(PoolError("LRU has a cycle".into()));
-            }
-            prev = cur;
-            cur = blk.next;
-        }
-        if n != c.cached || prev != self.lru_tail {
+        // Every cached block has exactly one live queue entry: live entries are distinct
+        // (a stamp is used once per block) and as many as the cached blocks.
+        let n = self.lru.iter().filter(|&&(b, stamp)| Self::lru_live(&self.blocks, b, stamp)).count() as u64;
+        if n != c.cached {
             return Err(PoolError(format!("LRU length {n} != cached blocks {}", c.cached)));
+        }
+        if self.lru.len() > 2 * self.blocks.len() + 64 {
+            return Err(PoolError(format!("LRU queue holds {} entries", self.lru.len())));
         }
         if c != self.counts {
             return Err(PoolError(format!("counters {:?} != recount {:?}", self.counts, c)));
