@@ -5,7 +5,6 @@
 //! the number of samples: a replay of any trace length keeps a few thousand buckets per figure.
 
 use serde::Serialize;
-use std::collections::BTreeMap;
 
 /// Sub-buckets per power of two: relative bucket width 1/1024 ≈ 0.1%.
 const SUB_BITS: u32 = 10;
@@ -17,9 +16,14 @@ pub struct Distribution {
     sum_sq: f64,
     min: f64,
     max: f64,
-    /// Bucket key → weight. Keys order like the values they hold.
-    buckets: BTreeMap<u32, u64>,
+    /// Bucket weights by key, in groups of `2^SUB_BITS` keys (one group per power of two of
+    /// the values, allocated on first use). Keys order like the values they hold. A flat
+    /// array instead of a map: adding a sample (once per decode step) is two indexings.
+    groups: Vec<Option<Box<[u64; GROUP]>>>,
 }
+
+/// Keys per bucket group.
+const GROUP: usize = 1 << SUB_BITS;
 
 /// Summary statistics in the reference's set.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
@@ -79,7 +83,12 @@ impl Distribution {
         self.count += weight;
         self.sum += v * weight as f64;
         self.sum_sq += v * v * weight as f64;
-        *self.buckets.entry(bucket_of(value_ns)).or_insert(0) += weight;
+        let key = bucket_of(value_ns) as usize;
+        let g = key >> SUB_BITS;
+        if self.groups.len() <= g {
+            self.groups.resize_with(g + 1, || None);
+        }
+        self.groups[g].get_or_insert_with(|| Box::new([0; GROUP]))[key & (GROUP - 1)] += weight;
     }
 
     pub fn add(&mut self, value_ns: u64) {
@@ -97,10 +106,13 @@ impl Distribution {
         }
         let rank = ((q.clamp(0.0, 1.0) * self.count as f64).ceil() as u64).max(1);
         let mut seen = 0u64;
-        for (key, w) in &self.buckets {
-            seen += w;
-            if seen >= rank {
-                return bucket_mid(*key).clamp(self.min, self.max);
+        for (g, group) in self.groups.iter().enumerate() {
+            let Some(group) = group else { continue };
+            for (i, &w) in group.iter().enumerate() {
+                seen += w;
+                if w > 0 && seen >= rank {
+                    return bucket_mid(((g << SUB_BITS) + i) as u32).clamp(self.min, self.max);
+                }
             }
         }
         self.max

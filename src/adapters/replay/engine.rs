@@ -130,10 +130,43 @@ impl Batch {
     }
 }
 
+/// A heap entry: the event's order key and its place in the event slab. The heap moves only
+/// these 24 bytes while sifting; the (much larger) events stay put in the slab.
 struct Queued {
     at_ns: u64,
     seq: u64,
-    ev: Ev,
+    index: u32,
+}
+
+/// Events waiting in the queue, by slab index; freed places are reused (LIFO), so the slab
+/// grows with events in flight, not with the trace.
+#[derive(Default)]
+struct EventSlab {
+    events: Vec<Option<Ev>>,
+    free: Vec<u32>,
+}
+
+impl EventSlab {
+    fn insert(&mut self, ev: Ev) -> u32 {
+        match self.free.pop() {
+            Some(i) => {
+                self.events[i as usize] = Some(ev);
+                i
+            }
+            None => {
+                self.events.push(Some(ev));
+                (self.events.len() - 1) as u32
+            }
+        }
+    }
+
+    fn take(&mut self, index: u32) -> Option<Ev> {
+        let ev = self.events.get_mut(index as usize)?.take();
+        if ev.is_some() {
+            self.free.push(index);
+        }
+        ev
+    }
 }
 
 impl PartialEq for Queued {
@@ -199,6 +232,7 @@ pub struct Replay<'a> {
     seq: u64,
     events: u64,
     queue: BinaryHeap<Reverse<Queued>>,
+    slab: EventSlab,
     slots: Vec<Slot>,
     prefill_router: Router,
     decode_router: Option<Router>,
@@ -308,6 +342,7 @@ impl<'a> Replay<'a> {
             seq: 0,
             events: 0,
             queue: BinaryHeap::new(),
+            slab: EventSlab::default(),
             slots,
             prefill_router,
             decode_router,
@@ -346,7 +381,8 @@ impl<'a> Replay<'a> {
 
     fn push(&mut self, at_ns: u64, ev: Ev) {
         self.seq += 1;
-        self.queue.push(Reverse(Queued { at_ns, seq: self.seq, ev }));
+        let index = self.slab.insert(ev);
+        self.queue.push(Reverse(Queued { at_ns, seq: self.seq, index }));
     }
 
     fn push_all(&mut self, evs: Vec<Ev>) {
@@ -413,9 +449,11 @@ impl<'a> Replay<'a> {
     pub fn run(mut self) -> Result<ReplayOutcome, ReplayError> {
         while let Some(Reverse(q)) = self.queue.pop() {
             debug_assert!(q.at_ns >= self.now_ns, "time went backwards");
+            // Every queued index holds its event (taken exactly once, here).
+            let Some(ev) = self.slab.take(q.index) else { continue };
             self.now_ns = q.at_ns;
             self.events += 1;
-            self.handle(q.ev)?;
+            self.handle(ev)?;
             if self.events % 4096 == 0 {
                 if let Some(p) = self.progress.as_mut() {
                     p(self.arrivals, self.now_ns);

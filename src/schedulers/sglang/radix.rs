@@ -18,11 +18,21 @@
 //! activation anyway; a pin only keeps a page from eviction, the weakest claim. When a lock or
 //! unlock changes a node's class, the move is recorded in the pending delta (`acc`), which the
 //! core attaches to the fact that caused it.
+//!
+//! ## Hash index
+//! hash → node is intrusive: a fixed bucket array (twice the page count) holds each chain's first
+//! node and nodes link to their chain neighbours, so evicting a node (the most frequent index
+//! operation in a replay) unlinks it with writes only. Never iterated into output.
 
 use crate::events::{BlockHash, Fact, KvDelta};
-use std::collections::{BTreeSet, HashMap};
+use crate::schedulers::vllm::block_pool::prefetch;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 
 pub(crate) type NodeId = u32;
+
+/// No node (an empty bucket, a chain's end).
+const NIL: u32 = u32::MAX;
 
 /// Physical class of a page; exactly one per page.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,6 +84,9 @@ struct Node {
     /// Last touch, for LRU eviction.
     tick: u64,
     live: bool,
+    /// Hash-chain links (valid while live): `hprev` is `NIL` for the first node of its bucket.
+    hprev: u32,
+    hnext: u32,
 }
 
 impl Node {
@@ -103,10 +116,20 @@ pub(crate) struct KvPool {
     total: u32,
     nodes: Vec<Node>,
     spare_ids: Vec<NodeId>,
-    /// Pure lookup; never iterated into output.
-    by_hash: HashMap<BlockHash, NodeId>,
-    /// Unlocked leaves by (last touch, id): the eviction order.
-    evictable: BTreeSet<(u64, NodeId)>,
+    /// Hash index (module docs): bucket → first live node of its chain, or `NIL`.
+    heads: Vec<u32>,
+    /// `64 − log2(heads.len())`.
+    bucket_shift: u32,
+    /// Live nodes (= index entries).
+    indexed: usize,
+    /// Unlocked leaves by (last touch, id), smallest first: the eviction order. A min-heap
+    /// with lazy deletion: locking a leaf leaves its entry behind, and an entry counts only
+    /// while its node is live, an unlocked leaf, and still has that tick (ticks are unique and
+    /// every lock or unlock renews a node's tick, so a stale entry never matches again). So
+    /// the smallest valid entry is exactly what an ordered set of the evictable leaves would
+    /// give, without a tree insertion per unlock. Compacted when stale entries pile up, so its
+    /// size stays bounded by the node count.
+    evictable: BinaryHeap<Reverse<(u64, NodeId)>>,
     tick: u64,
     free_pages: u32,
     counts: [u64; 5],
@@ -122,12 +145,16 @@ impl KvPool {
     pub(crate) fn new(total: u32) -> Self {
         let mut counts = [0u64; 5];
         counts[Class::Free as usize] = total as u64;
+        // A live node holds a page: twice as many buckets keeps the load at or under a half.
+        let buckets = (2 * total as u64).next_power_of_two().max(2);
         KvPool {
             total,
             nodes: Vec::new(),
             spare_ids: Vec::new(),
-            by_hash: HashMap::new(),
-            evictable: BTreeSet::new(),
+            heads: vec![NIL; buckets as usize],
+            bucket_shift: 64 - buckets.trailing_zeros(),
+            indexed: 0,
+            evictable: BinaryHeap::new(),
             tick: 0,
             free_pages: total,
             counts,
@@ -177,13 +204,75 @@ impl KvPool {
         self.tick
     }
 
+    fn bucket(&self, hash: BlockHash) -> usize {
+        // Fibonacci hashing: the top bits of the product spread any key.
+        (hash.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> self.bucket_shift) as usize
+    }
+
+    /// The live node with this hash, if any.
+    fn find(&self, hash: BlockHash) -> Option<NodeId> {
+        let mut id = self.heads[self.bucket(hash)];
+        while id != NIL {
+            let n = &self.nodes[id as usize];
+            if n.hash == hash {
+                return Some(id);
+            }
+            id = n.hnext;
+        }
+        None
+    }
+
+    /// Starts loading `hash`'s bucket (a few pages before it is looked up).
+    fn prefetch_bucket(&self, hash: BlockHash) {
+        prefetch(&self.heads[self.bucket(hash)]);
+    }
+
+    /// Starts loading the first node of `hash`'s chain (its bucket should be cached by now).
+    fn prefetch_chain(&self, hash: BlockHash) {
+        if let Some(n) = self.nodes.get(self.heads[self.bucket(hash)] as usize) {
+            prefetch(n);
+        }
+    }
+
+    /// Links live node `id` first in its hash's chain.
+    fn index_insert(&mut self, id: NodeId) {
+        let k = self.bucket(self.nodes[id as usize].hash);
+        let head = self.heads[k];
+        let n = &mut self.nodes[id as usize];
+        n.hprev = NIL;
+        n.hnext = head;
+        if head != NIL {
+            self.nodes[head as usize].hprev = id;
+        }
+        self.heads[k] = id;
+        self.indexed += 1;
+    }
+
+    /// Unlinks node `id` from its chain: writes to its neighbours (or the bucket) only.
+    fn index_remove(&mut self, id: NodeId) {
+        let (hash, p, n) = {
+            let x = &self.nodes[id as usize];
+            (x.hash, x.hprev, x.hnext)
+        };
+        if p == NIL {
+            let k = self.bucket(hash);
+            self.heads[k] = n;
+        } else {
+            self.nodes[p as usize].hnext = n;
+        }
+        if n != NIL {
+            self.nodes[n as usize].hprev = p;
+        }
+        self.indexed -= 1;
+    }
+
     /// The longest cached root path along `hashes`, at most `max_pages` long.
     pub(crate) fn match_prefix(&self, hashes: &[BlockHash], max_pages: usize) -> Vec<NodeId> {
         let mut out = Vec::new();
         let mut parent = None;
         for h in hashes.iter().take(max_pages) {
-            match self.by_hash.get(h) {
-                Some(&id) if self.nodes[id as usize].parent == parent => {
+            match self.find(*h) {
+                Some(id) if self.nodes[id as usize].parent == parent => {
                     out.push(id);
                     parent = Some(id);
                 }
@@ -202,9 +291,7 @@ impl KvPool {
         let t = self.next_tick();
         let n = &mut self.nodes[id as usize];
         let old = class_of(&n.locks);
-        if n.unlocked() && n.children == 0 {
-            self.evictable.remove(&(n.tick, id));
-        }
+        // An evictable leaf's heap entry goes stale here (its tick changes below).
         n.locks[kind as usize] += 1;
         n.tick = t;
         let new = class_of(&n.locks);
@@ -219,9 +306,31 @@ impl KvPool {
         n.tick = t;
         let new = class_of(&n.locks);
         if n.unlocked() && n.children == 0 {
-            self.evictable.insert((t, id));
+            self.push_evictable(t, id);
         }
         self.move_class(old, new, 1);
+    }
+
+    fn push_evictable(&mut self, tick: u64, id: NodeId) {
+        if self.evictable.len() >= 2 * self.nodes.len() + 64 {
+            let nodes = &self.nodes;
+            self.evictable.retain(|&Reverse((t, i))| Self::evictable_entry(nodes, t, i));
+        }
+        self.evictable.push(Reverse((tick, id)));
+    }
+
+    fn evictable_entry(nodes: &[Node], tick: u64, id: NodeId) -> bool {
+        nodes.get(id as usize).is_some_and(|n| n.live && n.unlocked() && n.children == 0 && n.tick == tick)
+    }
+
+    /// The least recently touched unlocked leaf, taken out of the eviction order.
+    fn pop_evictable(&mut self) -> Option<NodeId> {
+        while let Some(Reverse((t, id))) = self.evictable.pop() {
+            if Self::evictable_entry(&self.nodes, t, id) {
+                return Some(id);
+            }
+        }
+        None
     }
 
     /// Locks `ids` (a root path continuing the holder's own) for the holder.
@@ -235,19 +344,20 @@ impl KvPool {
     /// Evicts `n` unlocked leaves, least recently used first. False if there were too few.
     fn evict(&mut self, n: u64) -> bool {
         for _ in 0..n {
-            let Some((_, id)) = self.evictable.pop_first() else {
+            let Some(id) = self.pop_evictable() else {
                 return false;
             };
             let node = &mut self.nodes[id as usize];
             node.live = false;
             let (hash, parent) = (node.hash, node.parent);
-            self.by_hash.remove(&hash);
+            self.index_remove(id);
             self.removed.push(hash);
             if let Some(p) = parent {
                 let pn = &mut self.nodes[p as usize];
                 pn.children -= 1;
                 if pn.children == 0 && pn.unlocked() {
-                    self.evictable.insert((pn.tick, p));
+                    let t = pn.tick;
+                    self.push_evictable(t, p);
                 }
             }
             self.spare_ids.push(id);
@@ -285,11 +395,25 @@ impl KvPool {
     pub(crate) fn insert(&mut self, h: &mut Holder, hashes: &[BlockHash], upto: usize) -> Option<Fact> {
         let mut stored = Vec::new();
         let mut stored_parent = None;
-        while h.nodes.len() < upto.min(hashes.len()) && h.private > 0 {
+        // The hashes are known ahead: prefetch buckets, then chain heads, a few pages ahead.
+        const BUCKET_AHEAD: usize = 12;
+        const CHAIN_AHEAD: usize = 6;
+        let end = upto.min(hashes.len());
+        for k in h.nodes.len()..(h.nodes.len() + BUCKET_AHEAD).min(end) {
+            self.prefetch_bucket(hashes[k]);
+        }
+        while h.nodes.len() < end && h.private > 0 {
+            let k = h.nodes.len();
+            if k + BUCKET_AHEAD < end {
+                self.prefetch_bucket(hashes[k + BUCKET_AHEAD]);
+            }
+            if k + CHAIN_AHEAD < end {
+                self.prefetch_chain(hashes[k + CHAIN_AHEAD]);
+            }
             let hash = hashes[h.nodes.len()];
             let parent = h.nodes.last().copied();
-            match self.by_hash.get(&hash) {
-                Some(&id) => {
+            match self.find(hash) {
+                Some(id) => {
                     if self.nodes[id as usize].parent != parent {
                         break; // a 64-bit hash collision: keep the page private
                     }
@@ -301,7 +425,16 @@ impl KvPool {
                     let t = self.next_tick();
                     let mut locks = [0; 3];
                     locks[h.kind as usize] = 1;
-                    let node = Node { hash, parent, children: 0, locks, tick: t, live: true };
+                    let node = Node {
+                        hash,
+                        parent,
+                        children: 0,
+                        locks,
+                        tick: t,
+                        live: true,
+                        hprev: NIL,
+                        hnext: NIL,
+                    };
                     let id = match self.spare_ids.pop() {
                         Some(id) => {
                             self.nodes[id as usize] = node;
@@ -316,7 +449,7 @@ impl KvPool {
                         // The parent is on the holder's locked path, so never in `evictable`.
                         self.nodes[p as usize].children += 1;
                     }
-                    self.by_hash.insert(hash, id);
+                    self.index_insert(id);
                     if stored.is_empty() {
                         stored_parent = parent.map(|p| self.nodes[p as usize].hash);
                     }
@@ -384,6 +517,6 @@ impl KvPool {
     /// Nodes currently cached (tests).
     #[allow(dead_code)]
     pub(crate) fn cached_nodes(&self) -> usize {
-        self.by_hash.len()
+        self.indexed
     }
 }

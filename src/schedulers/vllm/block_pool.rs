@@ -20,12 +20,18 @@
 //! `RequestFinished` delta.
 //!
 //! ## Cost
-//! Every operation is O(1) (hash lookup, stack pop, intrusive list unlink); only [`BlockPool::audit`]
-//! walks all blocks.
+//! Every operation is O(1), amortized for the LRU queue's compaction (hash lookup, stack pop,
+//! queue push/pop); only [`BlockPool::audit`] walks all blocks.
+//!
+//! The hash index is intrusive: a fixed bucket array (twice the block count, so chains stay short)
+//! holds the first block of each chain, and each block links to its chain neighbours. Evicting a
+//! cached block is by far the most frequent index operation in a replay; with the links in the
+//! block it only writes (no lookup whose cache miss the CPU must wait for). The index is never
+//! iterated into output.
 
 use crate::events::{BlockHash, KvDelta};
 use crate::projections::capacity::KvCapacitySnapshot;
-use std::collections::HashMap;
+use std::collections::VecDeque;
 
 /// A hasher for keys that are single integers (block hashes, request ids). SipHash's DoS
 /// resistance buys nothing in a simulator and costs most of a decode step's time; a multiply-
@@ -52,10 +58,27 @@ impl std::hash::Hasher for IntHasher {
 /// `BuildHasher` for [`IntHasher`].
 pub type IntBuild = std::hash::BuildHasherDefault<IntHasher>;
 
+/// Asks the CPU to start loading `x`'s cache line. A replay's pool operations touch blocks and
+/// buckets spread over megabytes, in an order known a few steps ahead (the LRU list, a request's
+/// blocks and hashes): starting those loads early overlaps their cache misses.
+#[inline(always)]
+pub fn prefetch<T>(x: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is only a hint: it cannot fault, and nothing the program observes
+    // changes. `x` is a valid reference in any case.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(x as *const T as *const i8)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
+}
+
 /// Index of a physical block.
 pub type BlockId = u32;
 
 const NIL: u32 = u32::MAX;
+/// `Block::hprev` of a block that has no hash (and so is in no chain).
+const UNHASHED: u32 = u32::MAX - 1;
 
 /// Who holds a reference.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,14 +102,25 @@ enum Class {
 
 #[derive(Clone, Debug)]
 struct Block {
-    hash: Option<BlockHash>,
+    /// Valid only when `hprev != UNHASHED` (kept as a bare u64 so a block is 32 bytes).
+    hash: BlockHash,
     refs: [u32; 3],
-    /// Intrusive LRU links (valid only while cached-free).
-    prev: u32,
-    next: u32,
+    /// Bumped each time the block enters the LRU queue; only the queue entry carrying the
+    /// current stamp (while the block is cached-free) is live.
+    lru_stamp: u32,
+    /// Intrusive hash-chain links: `hprev` is `UNHASHED` for a block without a hash, `NIL` for
+    /// the first block of its bucket's chain.
+    hprev: u32,
+    hnext: u32,
 }
 
 impl Block {
+    const EMPTY: Block = Block { hash: 0, refs: [0; 3], lru_stamp: 0, hprev: UNHASHED, hnext: NIL };
+
+    fn hash(&self) -> Option<BlockHash> {
+        (self.hprev != UNHASHED).then_some(self.hash)
+    }
+
     fn class(&self) -> Class {
         if self.refs[Owner::Active as usize] > 0 {
             Class::Active
@@ -94,7 +128,7 @@ impl Block {
             Class::Reserved
         } else if self.refs[Owner::Pinned as usize] > 0 {
             Class::Pinned
-        } else if self.hash.is_some() {
+        } else if self.hprev != UNHASHED {
             Class::Cached
         } else {
             Class::Free
@@ -111,12 +145,19 @@ pub struct PoolError(pub String);
 #[derive(Clone, Debug)]
 pub struct BlockPool {
     blocks: Vec<Block>,
-    /// hash → canonical block. Pure lookup, never iterated into output.
-    by_hash: HashMap<BlockHash, BlockId, IntBuild>,
+    /// Hash index (see the module docs): bucket → first block of its chain, or `NIL`. Every
+    /// block with a hash is in it, and is its hash's canonical block.
+    heads: Vec<u32>,
+    /// `64 − log2(heads.len())`: a bucket is the top bits of the hash times an odd constant.
+    bucket_shift: u32,
     /// Plain free blocks (no hash), used as a stack.
     free: Vec<BlockId>,
-    lru_head: u32,
-    lru_tail: u32,
+    /// Cached-free blocks in the order they became cached (the eviction order), with lazy
+    /// deletion: an entry `(block, stamp)` is live only while the block is cached-free with that
+    /// stamp, so a block leaving the cache needs no unlink. Victims are read from a contiguous
+    /// queue, so the next ones can be prefetched (a linked list would be a chain of cache
+    /// misses). Compacted when dead entries pile up: at most about twice the block count.
+    lru: VecDeque<(BlockId, u32)>,
     counts: Counts,
     /// Class changes not yet attached to a fact.
     acc: KvDelta,
@@ -164,15 +205,17 @@ fn delta_bump(d: &mut KvDelta, c: Class, by: i32) {
 
 impl BlockPool {
     pub fn new(total: u32) -> Self {
-        let blocks = vec![Block { hash: None, refs: [0; 3], prev: NIL, next: NIL }; total as usize];
+        let blocks = vec![Block::EMPTY; total as usize];
         // Pop order: lowest id first (deterministic).
         let free: Vec<BlockId> = (0..total).rev().collect();
+        // At most one hash per block: twice as many buckets keeps the load at or under a half.
+        let buckets = (2 * total as u64).next_power_of_two().max(2);
         BlockPool {
             blocks,
-            by_hash: HashMap::default(),
+            heads: vec![NIL; buckets as usize],
+            bucket_shift: 64 - buckets.trailing_zeros(),
             free,
-            lru_head: NIL,
-            lru_tail: NIL,
+            lru: VecDeque::new(),
             counts: Counts { free: total as u64, ..Default::default() },
             acc: KvDelta::ZERO,
             removed: Vec::new(),
@@ -199,7 +242,73 @@ impl BlockPool {
 
     /// The canonical block holding `hash`, if any (referenced or cached-free).
     pub fn lookup(&self, hash: BlockHash) -> Option<BlockId> {
-        self.by_hash.get(&hash).copied()
+        let mut b = self.heads[self.bucket(hash)];
+        while b != NIL {
+            let blk = &self.blocks[b as usize];
+            if blk.hash == hash {
+                return Some(b);
+            }
+            b = blk.hnext;
+        }
+        None
+    }
+
+    /// Prefetches what [`BlockPool::set_hash`] or [`BlockPool::lookup`] of `hash` on block `b`
+    /// will read first: `b` and the bucket. Call a few blocks ahead.
+    pub fn prefetch_bucket(&self, b: BlockId, hash: BlockHash) {
+        if let Some(blk) = self.blocks.get(b as usize) {
+            prefetch(blk);
+        }
+        prefetch(&self.heads[self.bucket(hash)]);
+    }
+
+    /// Prefetches the first block of `hash`'s chain (its bucket should be cached by now: call
+    /// after [`BlockPool::prefetch_bucket`] of the same hash, a few blocks later).
+    pub fn prefetch_chain(&self, hash: BlockHash) {
+        let head = self.heads[self.bucket(hash)];
+        if let Some(blk) = self.blocks.get(head as usize) {
+            prefetch(blk);
+        }
+    }
+
+    fn bucket(&self, hash: BlockHash) -> usize {
+        // Fibonacci hashing: the top bits of the product spread any key, mixed or sequential.
+        (hash.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> self.bucket_shift) as usize
+    }
+
+    /// Gives hashless block `b` its hash and links it first in its bucket's chain.
+    fn index_insert(&mut self, b: BlockId, hash: BlockHash) {
+        let k = self.bucket(hash);
+        let head = self.heads[k];
+        let blk = &mut self.blocks[b as usize];
+        blk.hash = hash;
+        blk.hprev = NIL;
+        blk.hnext = head;
+        if head != NIL {
+            self.blocks[head as usize].hprev = b;
+        }
+        self.heads[k] = b;
+    }
+
+    /// Unlinks hashed block `b` from its chain and clears its hash: only writes to its
+    /// neighbours (or the bucket), no search.
+    fn index_remove(&mut self, b: BlockId) {
+        let (hash, p, n) = {
+            let blk = &self.blocks[b as usize];
+            (blk.hash, blk.hprev, blk.hnext)
+        };
+        if p == NIL {
+            let k = self.bucket(hash);
+            self.heads[k] = n;
+        } else {
+            self.blocks[p as usize].hnext = n;
+        }
+        if n != NIL {
+            self.blocks[n as usize].hprev = p;
+        }
+        let blk = &mut self.blocks[b as usize];
+        blk.hprev = UNHASHED;
+        blk.hnext = NIL;
     }
 
     /// True if the block is cached-free (unreferenced, evictable): acquiring it takes it out of
@@ -214,7 +323,7 @@ impl BlockPool {
     }
 
     pub fn hash_of(&self, b: BlockId) -> Option<BlockHash> {
-        self.blocks.get(b as usize).and_then(|x| x.hash)
+        self.blocks.get(b as usize).and_then(|x| x.hash())
     }
 
     /// Drains the class changes since the last call (to attach to a fact).
@@ -227,39 +336,28 @@ impl BlockPool {
         std::mem::take(&mut self.removed)
     }
 
-    fn lru_unlink(&mut self, b: BlockId) {
-        let (p, n) = {
-            let blk = &self.blocks[b as usize];
-            (blk.prev, blk.next)
-        };
-        if p == NIL {
-            self.lru_head = n;
-        } else {
-            self.blocks[p as usize].next = n;
-        }
-        if n == NIL {
-            self.lru_tail = p;
-        } else {
-            self.blocks[n as usize].prev = p;
-        }
-        let blk = &mut self.blocks[b as usize];
-        blk.prev = NIL;
-        blk.next = NIL;
+    fn lru_live(blocks: &[Block], b: BlockId, stamp: u32) -> bool {
+        blocks.get(b as usize).is_some_and(|blk| blk.lru_stamp == stamp && blk.class() == Class::Cached)
     }
 
     fn lru_push_tail(&mut self, b: BlockId) {
-        let t = self.lru_tail;
-        {
-            let blk = &mut self.blocks[b as usize];
-            blk.prev = t;
-            blk.next = NIL;
+        if self.lru.len() >= 2 * self.blocks.len() + 64 {
+            let blocks = &self.blocks;
+            self.lru.retain(|&(x, stamp)| Self::lru_live(blocks, x, stamp));
         }
-        if t == NIL {
-            self.lru_head = b;
-        } else {
-            self.blocks[t as usize].next = b;
+        let blk = &mut self.blocks[b as usize];
+        blk.lru_stamp = blk.lru_stamp.wrapping_add(1);
+        self.lru.push_back((b, blk.lru_stamp));
+    }
+
+    /// Takes the least recently cached live block out of the queue.
+    fn lru_pop_head(&mut self) -> Option<BlockId> {
+        while let Some((b, stamp)) = self.lru.pop_front() {
+            if Self::lru_live(&self.blocks, b, stamp) {
+                return Some(b);
+            }
         }
-        self.lru_tail = b;
+        None
     }
 
     /// Applies `f` to block `b` and books the resulting class change (structures, counters,
@@ -271,9 +369,7 @@ impl BlockPool {
         if old == new {
             return;
         }
-        if old == Class::Cached {
-            self.lru_unlink(b);
-        }
+        // Leaving the cache: the block's queue entry is dead from now on (class check).
         match new {
             Class::Cached => {
                 self.lru_push_tail(b);
@@ -337,22 +433,21 @@ impl BlockPool {
             delta_bump(&mut self.acc, new, 1);
             return Some(b);
         }
-        let b = self.lru_head;
-        if b == NIL {
-            return None;
+        let b = self.lru_pop_head()?;
+        // Evictions come in runs (a request's blocks): fetch a victim a few places ahead now.
+        const EVICT_AHEAD: usize = 8;
+        if let Some(blk) = self.lru.get(EVICT_AHEAD).and_then(|&(x, _)| self.blocks.get(x as usize)) {
+            prefetch(blk);
         }
-        // Evict: cached → (no hash) → owner class.
-        if let Some(h) = self.blocks[b as usize].hash {
-            if self.by_hash.get(&h) == Some(&b) {
-                self.by_hash.remove(&h);
-            }
+        // Evict: cached → (no hash) → owner class. A hashed block is always its hash's
+        // canonical block (set_hash never hashes a duplicate), so it is the index entry.
+        if let Some(h) = self.blocks[b as usize].hash() {
+            self.index_remove(b);
             self.removed.push(h);
         }
-        self.lru_unlink(b);
         self.counts.bump(Class::Cached, false);
         delta_bump(&mut self.acc, Class::Cached, -1);
         let blk = &mut self.blocks[b as usize];
-        blk.hash = None;
         blk.refs[owner as usize] += 1;
         let new = blk.class();
         self.counts.bump(new, true);
@@ -364,7 +459,7 @@ impl BlockPool {
     /// nothing changes and the canonical block is returned (the caller adopts it and releases
     /// its own copy).
     pub fn set_hash(&mut self, b: BlockId, hash: BlockHash) -> Result<Option<BlockId>, PoolError> {
-        if let Some(&c) = self.by_hash.get(&hash) {
+        if let Some(c) = self.lookup(hash) {
             if c != b {
                 return Ok(Some(c));
             }
@@ -373,12 +468,11 @@ impl BlockPool {
         let Some(blk) = self.blocks.get_mut(b as usize) else {
             return Err(PoolError(format!("hash of unknown block {b}")));
         };
-        if blk.hash.is_some() {
+        if blk.hprev != UNHASHED {
             return Err(PoolError(format!("block {b} already has a hash")));
         }
         // A referenced block keeps its class when it gains a hash.
-        blk.hash = Some(hash);
-        self.by_hash.insert(hash, b);
+        self.index_insert(b, hash);
         Ok(None)
     }
 
@@ -402,15 +496,32 @@ impl BlockPool {
         let mut c = Counts::default();
         for (i, blk) in self.blocks.iter().enumerate() {
             c.bump(blk.class(), true);
-            if let Some(h) = blk.hash {
-                if self.by_hash.get(&h) != Some(&(i as u32)) {
+            if let Some(h) = blk.hash() {
+                if self.lookup(h) != Some(i as u32) {
                     return Err(PoolError(format!(
                         "block {i} has hash {h:#x} but is not its canonical block"
                     )));
                 }
             }
         }
-        if self.by_hash.len() as u64 != self.blocks.iter().filter(|b| b.hash.is_some()).count() as u64 {
+        let mut chained = 0u64;
+        for (k, &head) in self.heads.iter().enumerate() {
+            let mut prev = NIL;
+            let mut cur = head;
+            while cur != NIL {
+                let blk = &self.blocks[cur as usize];
+                if blk.hprev != prev || self.bucket(blk.hash) != k {
+                    return Err(PoolError(format!("hash chain corrupt at block {cur}")));
+                }
+                chained += 1;
+                if chained > self.total() {
+                    return Err(PoolError("hash chain has a cycle".into()));
+                }
+                prev = cur;
+                cur = blk.hnext;
+            }
+        }
+        if chained != self.blocks.iter().filter(|b| b.hash().is_some()).count() as u64 {
             return Err(PoolError("hash index size differs from hashed blocks".into()));
         }
         if self.free.len() as u64 != c.free {
@@ -419,23 +530,14 @@ impl BlockPool {
         if self.free.iter().any(|&b| self.blocks[b as usize].class() != Class::Free) {
             return Err(PoolError("free stack holds a non-free block".into()));
         }
-        let mut n = 0u64;
-        let mut cur = self.lru_head;
-        let mut prev = NIL;
-        while cur != NIL {
-            let blk = &self.blocks[cur as usize];
-            if blk.class() != Class::Cached || blk.prev != prev {
-                return Err(PoolError(format!("LRU corrupt at block {cur}")));
-            }
-            n += 1;
-            if n > self.total() {
-                return Err(PoolError("LRU has a cycle".into()));
-            }
-            prev = cur;
-            cur = blk.next;
-        }
-        if n != c.cached || prev != self.lru_tail {
+        // Every cached block has exactly one live queue entry: live entries are distinct
+        // (a stamp is used once per block) and as many as the cached blocks.
+        let n = self.lru.iter().filter(|&&(b, stamp)| Self::lru_live(&self.blocks, b, stamp)).count() as u64;
+        if n != c.cached {
             return Err(PoolError(format!("LRU length {n} != cached blocks {}", c.cached)));
+        }
+        if self.lru.len() > 2 * self.blocks.len() + 64 {
+            return Err(PoolError(format!("LRU queue holds {} entries", self.lru.len())));
         }
         if c != self.counts {
             return Err(PoolError(format!("counters {:?} != recount {:?}", self.counts, c)));

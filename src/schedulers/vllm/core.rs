@@ -128,6 +128,9 @@ enum Dst {
         request: Request,
         blocks: Vec<BlockId>,
         prefix_blocks: u32,
+        /// The prompt's block hashes, computed for the reservation's prefix match and kept for
+        /// activation.
+        hashes: Vec<BlockHash>,
     },
     Activated(RequestId),
 }
@@ -156,6 +159,9 @@ pub struct VllmCore {
     next_reservation: u64,
     internal_error: Option<String>,
 }
+
+/// A reservation that fits: (blocks, prefix blocks, fresh pages, prompt block hashes).
+type Reservation = (Vec<BlockId>, u32, u32, Vec<BlockHash>);
 
 fn slots(n: i32) -> KvDelta {
     KvDelta { slots: n, ..KvDelta::ZERO }
@@ -269,8 +275,21 @@ impl VllmCore {
         let Some(mut s) = self.seqs.remove(&id) else { return };
         let full = ((s.computed / bs) as usize).min(s.blocks.len());
         let mut run: Option<(Option<BlockHash>, Vec<BlockHash>)> = None;
+        // Prompt hashes are known ahead: prefetch buckets, then chain heads, a few blocks ahead.
+        const BUCKET_AHEAD: usize = 12;
+        const CHAIN_AHEAD: usize = 6;
+        let known = full.min(s.hashes.len());
+        for b in s.hashed..(s.hashed + BUCKET_AHEAD).min(known) {
+            self.pool.prefetch_bucket(s.blocks[b], s.hashes[b]);
+        }
         while s.hashed < full {
             let b = s.hashed;
+            if b + BUCKET_AHEAD < known {
+                self.pool.prefetch_bucket(s.blocks[b + BUCKET_AHEAD], s.hashes[b + BUCKET_AHEAD]);
+            }
+            if b + CHAIN_AHEAD < known {
+                self.pool.prefetch_chain(s.hashes[b + CHAIN_AHEAD]);
+            }
             if s.hashes.len() <= b {
                 let parent = if b == 0 { ROOT_HASH } else { s.hashes[b - 1] };
                 s.hashes.push(decode_block_hash(parent, s.req.id, b as u32));
@@ -501,8 +520,8 @@ impl VllmCore {
     }
 
     /// Reserves destination capacity for `req` if it fits now: cached prefix (Reserved refs)
-    /// plus fresh hashless pages. Returns (blocks, prefix_blocks, pages).
-    fn try_reserve(&mut self, req: &Request) -> Option<(Vec<BlockId>, u32, u32)> {
+    /// plus fresh hashless pages. Returns (blocks, prefix_blocks, pages, prompt hashes).
+    fn try_reserve(&mut self, req: &Request) -> Option<Reservation> {
         let hashes = self.prompt_hashes(req);
         let total = self.blocks_for(req.input_tokens.max(1) as u64);
         let (matched, matched_cached) = self.match_prefix(&hashes, hashes.len());
@@ -526,7 +545,7 @@ impl VllmCore {
                 None => self.note_err::<String>(Err("reservation allocation failed after check".into())),
             }
         }
-        Some((blocks, prefix_blocks, pages as u32))
+        Some((blocks, prefix_blocks, pages as u32, hashes))
     }
 
     /// Records a successful reservation: fact, output, state.
@@ -535,10 +554,10 @@ impl VllmCore {
         handoff: HandoffId,
         request: Request,
         deadline_ns: u64,
-        got: (Vec<BlockId>, u32, u32),
+        got: Reservation,
         fx: &mut Effects,
     ) {
-        let (blocks, prefix_blocks, pages) = got;
+        let (blocks, prefix_blocks, pages, hashes) = got;
         let reservation = DestinationReservationId(self.next_reservation);
         self.next_reservation += 1;
         let prefix_tokens = (prefix_blocks as u64 * self.bs() as u64).min(request.input_tokens as u64) as u32;
@@ -562,7 +581,7 @@ impl VllmCore {
         };
         fx.outputs.push(EngineOutput::DestinationReserved { handoff, reservation, summary });
         self.reserved += 1;
-        self.dests.insert(handoff, Dst::Reserved { reservation, request, blocks, prefix_blocks });
+        self.dests.insert(handoff, Dst::Reserved { reservation, request, blocks, prefix_blocks, hashes });
     }
 
     /// Retries the pending FIFO's head while capacity changed since its last attempt.
@@ -847,7 +866,8 @@ impl EngineCore for VllmCore {
             Some(Dst::Activated(_)) => return self.finish_command(Ok(CommandOutcome::NoOp), fx),
             Some(Dst::Reserved { .. }) => {}
         }
-        let Some(Dst::Reserved { reservation, request, blocks, prefix_blocks }) = self.dests.remove(&handoff)
+        let Some(Dst::Reserved { reservation, request, blocks, prefix_blocks, hashes }) =
+            self.dests.remove(&handoff)
         else {
             return self.finish_command(Err(CommandError::UnknownHandoff(handoff)), fx);
         };
@@ -857,7 +877,6 @@ impl EngineCore for VllmCore {
             self.note_err(r);
         }
         let id = request.id;
-        let hashes = self.prompt_hashes(&request);
         let prompt = request.input_tokens.max(1);
         // Prefix blocks already carry their hashes (never republished); hashing starts at the
         // first fresh page.
