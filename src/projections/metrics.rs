@@ -348,8 +348,17 @@ impl MetricsFold {
                 if let Some(p) = self.pin_started.remove(handoff) {
                     self.pin.add(at.saturating_sub(p));
                 }
-                if let Some(r) = self.handoff_request.get(handoff).and_then(|q| self.in_flight.get_mut(q)) {
-                    r.released_ns.get_or_insert(at);
+                match self.handoff_request.get(handoff).copied() {
+                    Some(q) => match self.in_flight.get_mut(&q) {
+                        Some(r) => {
+                            r.released_ns.get_or_insert(at);
+                        }
+                        // The request already ended; its handoff's last fact is this release.
+                        None => {
+                            self.handoff_request.remove(handoff);
+                        }
+                    },
+                    None => {}
                 }
             }
             Fact::LeaseExpired { .. } => self.leases_expired += 1,
