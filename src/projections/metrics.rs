@@ -83,6 +83,9 @@ struct StreamState {
     first_tokens_at: (u64, u64), // (at_ns, count)
 }
 
+/// Receives each request's figures as it ends (`--per-request` writes them as JSON lines).
+pub type PerRequestSink = Box<dyn FnMut(&PerRequest)>;
+
 /// The fold.
 #[derive(Default)]
 pub struct MetricsFold {
@@ -113,7 +116,7 @@ pub struct MetricsFold {
     leases_expired: u64,
     reservations_expired: u64,
     handoffs_canceled: u64,
-    sink: Option<Box<dyn FnMut(&PerRequest)>>,
+    sink: Option<PerRequestSink>,
 }
 
 /// The report, with the reference's key names. `to_json` flattens the statistics as
@@ -213,7 +216,7 @@ fn ms(ns: u64) -> f64 {
 
 /// A stable per-request UUID derived from the run's seed and the request index.
 pub fn request_uuid(seed: u64, request: RequestId) -> uuid::Uuid {
-    let hi = crate::schedulers::request::mix(seed ^ 0x5eed_0f_4e9_0e57, request.0);
+    let hi = crate::schedulers::request::mix(seed ^ 0x5_eed0_f4e9_0e57, request.0);
     let lo = crate::schedulers::request::mix(hi, request.0 ^ 0x0123_4567_89ab_cdef);
     uuid::Builder::from_random_bytes(((hi as u128) << 64 | lo as u128).to_be_bytes()).into_uuid()
 }
@@ -224,7 +227,7 @@ impl MetricsFold {
     }
 
     /// Calls `sink` with each request's figures when it ends (for `--per-request`).
-    pub fn with_sink(mut self, sink: Box<dyn FnMut(&PerRequest)>) -> Self {
+    pub fn with_sink(mut self, sink: PerRequestSink) -> Self {
         self.sink = Some(sink);
         self
     }
@@ -348,8 +351,8 @@ impl MetricsFold {
                 if let Some(p) = self.pin_started.remove(handoff) {
                     self.pin.add(at.saturating_sub(p));
                 }
-                match self.handoff_request.get(handoff).copied() {
-                    Some(q) => match self.in_flight.get_mut(&q) {
+                if let Some(q) = self.handoff_request.get(handoff).copied() {
+                    match self.in_flight.get_mut(&q) {
                         Some(r) => {
                             r.released_ns.get_or_insert(at);
                         }
@@ -357,8 +360,7 @@ impl MetricsFold {
                         None => {
                             self.handoff_request.remove(handoff);
                         }
-                    },
-                    None => {}
+                    }
                 }
             }
             Fact::LeaseExpired { .. } => self.leases_expired += 1,

@@ -12,7 +12,7 @@ pub use handoffs::HandoffLedger;
 pub mod distribution;
 pub mod metrics;
 
-pub use metrics::{MetricsFold, MetricsReport, PerRequest};
+pub use metrics::{MetricsFold, MetricsReport, PerRequest, PerRequestSink};
 pub mod at;
 pub mod diff;
 pub mod inspect;

@@ -59,10 +59,8 @@ impl SchedulerFold {
     pub fn apply(&mut self, fact: &Fact) -> Result<(), ViewViolation> {
         let err = |m: String| Err(ViewViolation(m));
         match fact {
-            Fact::RequestQueued { request } => {
-                if self.requests.insert(*request, Phase::Waiting).is_some() {
-                    return err(format!("{request} queued twice"));
-                }
+            Fact::RequestQueued { request } if self.requests.insert(*request, Phase::Waiting).is_some() => {
+                return err(format!("{request} queued twice"));
             }
             Fact::RequestScheduled { request, .. } => match self.requests.get_mut(request) {
                 Some(p @ Phase::Waiting) => {
@@ -78,10 +76,10 @@ impl SchedulerFold {
                 }
                 other => return err(format!("{request} preempted while {other:?}")),
             },
-            Fact::RequestFinished { request, .. } | Fact::RequestRejected { request, .. } => {
-                if self.requests.remove(request) == Some(Phase::Running) {
-                    self.running -= 1;
-                }
+            Fact::RequestFinished { request, .. } | Fact::RequestRejected { request, .. }
+                if self.requests.remove(request) == Some(Phase::Running) =>
+            {
+                self.running -= 1;
             }
             Fact::SourcePinned { handoff, request, .. } => {
                 if self.requests.remove(request) != Some(Phase::Running) {
@@ -92,20 +90,14 @@ impl SchedulerFold {
                     return err(format!("handoff {handoff} pinned twice"));
                 }
             }
-            Fact::SourceReleased { handoff, .. } => {
-                if !self.held.remove(handoff) {
-                    return err(format!("handoff {handoff} released but not held"));
-                }
+            Fact::SourceReleased { handoff, .. } if !self.held.remove(handoff) => {
+                return err(format!("handoff {handoff} released but not held"));
             }
-            Fact::ReservationQueued { handoff } => {
-                if !self.pending.insert(*handoff) {
-                    return err(format!("handoff {handoff} queued twice"));
-                }
+            Fact::ReservationQueued { handoff } if !self.pending.insert(*handoff) => {
+                return err(format!("handoff {handoff} queued twice"));
             }
-            Fact::ReservationDequeued { handoff, .. } => {
-                if !self.pending.remove(handoff) {
-                    return err(format!("handoff {handoff} dequeued but not pending"));
-                }
+            Fact::ReservationDequeued { handoff, .. } if !self.pending.remove(handoff) => {
+                return err(format!("handoff {handoff} dequeued but not pending"));
             }
             Fact::DestinationReserved { handoff, request, .. } => {
                 self.pending.remove(handoff);
@@ -121,10 +113,8 @@ impl SchedulerFold {
                 }
                 None => return err(format!("handoff {handoff} activated but not reserved")),
             },
-            Fact::ReservationReleased { handoff, .. } => {
-                if self.reserved.remove(handoff).is_none() {
-                    return err(format!("handoff {handoff} reservation released but not held"));
-                }
+            Fact::ReservationReleased { handoff, .. } if self.reserved.remove(handoff).is_none() => {
+                return err(format!("handoff {handoff} reservation released but not held"));
             }
             _ => {}
         }

@@ -7,7 +7,7 @@ use handoff_ledger::adapters::replay::config::ReplayConfig;
 use handoff_ledger::adapters::replay::engine::Replay;
 use handoff_ledger::adapters::replay::trace::{TraceFormat, TraceOptions, TraceReader};
 use handoff_ledger::ids::{Backend, HandoffPolicy};
-use handoff_ledger::projections::PerRequest;
+use handoff_ledger::projections::{PerRequest, PerRequestSink};
 use handoff_ledger::router::RouterMode;
 use std::cell::RefCell;
 use std::fs::File;
@@ -145,7 +145,7 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
 
     // Per-request lines stream out as requests end; a write error is kept and reported.
     let sink_err: Rc<RefCell<Option<std::io::Error>>> = Rc::new(RefCell::new(None));
-    let per_request: Option<Box<dyn FnMut(&PerRequest)>> = match &a.per_request {
+    let per_request: Option<PerRequestSink> = match &a.per_request {
         Some(p) => {
             let f = File::create(p).map_err(|e| CliError::new(2, format!("{}: {e}", p.display())))?;
             let mut w = BufWriter::new(f);

@@ -32,7 +32,7 @@ use crate::lifecycle::destination::{
 };
 use crate::lifecycle::messages::HandoffMessage;
 use crate::lifecycle::source::{SourceAction, SourceConfig, SourceEvent, SourceHandoff, SourceInit};
-use crate::projections::metrics::{MetricsFold, MetricsReport, PerRequest};
+use crate::projections::metrics::{MetricsFold, MetricsReport, PerRequestSink};
 use crate::router::Router;
 use crate::schedulers::sglang::SglangCore;
 use crate::schedulers::vllm::VllmCore;
@@ -258,12 +258,12 @@ impl<'a> Replay<'a> {
         cfg: ReplayConfig,
         trace: TraceReader<Box<dyn std::io::BufRead>>,
         out_dir: &Path,
-        per_request: Option<Box<dyn FnMut(&PerRequest)>>,
+        per_request: Option<PerRequestSink>,
     ) -> Result<Self, ReplayError> {
         cfg.validate()?;
         let policy = cfg.effective_policy();
         cfg.transfer.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
-        let transfer = cfg.transfer.clone();
+        let transfer = cfg.transfer;
         let mut mint = IdMint::from_seed(cfg.seed);
         let run_id = uuid::Uuid::from_u64_pair(mint.next_u64(), mint.next_u64());
         let mut slots = Vec::new();
@@ -283,7 +283,7 @@ impl<'a> Replay<'a> {
         for w in &workers {
             let core: Box<dyn EngineCore> = match cfg.backend {
                 Backend::Vllm | Backend::TrtLlm => Box::new(
-                    VllmCore::new(*w, cfg.backend, cfg.vllm_for(w.role).clone())
+                    VllmCore::new(*w, cfg.backend, *cfg.vllm_for(w.role))
                         .map_err(|e| ConfigError::Invalid(format!("vllm: {e}")))?,
                 ),
                 Backend::Sglang => Box::new(

@@ -399,8 +399,9 @@ impl KvPool {
         const BUCKET_AHEAD: usize = 12;
         const CHAIN_AHEAD: usize = 6;
         let end = upto.min(hashes.len());
-        for k in h.nodes.len()..(h.nodes.len() + BUCKET_AHEAD).min(end) {
-            self.prefetch_bucket(hashes[k]);
+        let first = h.nodes.len().min(end);
+        for &hash in &hashes[first..(first + BUCKET_AHEAD).min(end)] {
+            self.prefetch_bucket(hash);
         }
         while h.nodes.len() < end && h.private > 0 {
             let k = h.nodes.len();
