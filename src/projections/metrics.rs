@@ -84,7 +84,7 @@ struct StreamState {
 }
 
 /// Receives each request's figures as it ends (`--per-request` writes them as JSON lines).
-pub type PerRequestSink = Box<dyn FnMut(&PerRequest)>;
+pub type PerRequestSink = Box<dyn FnMut(&PerRequest) + Send>;
 
 /// The fold.
 #[derive(Default)]

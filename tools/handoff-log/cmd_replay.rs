@@ -9,11 +9,10 @@ use handoff_ledger::adapters::replay::trace::{TraceFormat, TraceOptions, TraceRe
 use handoff_ledger::ids::{Backend, HandoffPolicy};
 use handoff_ledger::projections::{PerRequest, PerRequestSink};
 use handoff_ledger::router::RouterMode;
-use std::cell::RefCell;
 use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter, IsTerminal, Write};
 use std::path::PathBuf;
-use std::rc::Rc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 #[derive(clap::Args)]
@@ -143,27 +142,27 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
     let reader: Box<dyn BufRead> = Box::new(BufReader::with_capacity(1 << 20, file));
     let trace = TraceReader::new(reader, &a.trace, opts)?;
 
-    // Per-request lines stream out as requests end; a write error is kept and reported.
-    let sink_err: Rc<RefCell<Option<std::io::Error>>> = Rc::new(RefCell::new(None));
-    let per_request: Option<PerRequestSink> = match &a.per_request {
+    // Per-request lines stream out as requests end (from the log writer's thread); the first
+    // write error is kept and reported, and the file is flushed once the run is over.
+    let per_request_out: Option<Arc<Mutex<PerRequestOut>>> = match &a.per_request {
         Some(p) => {
             let f = File::create(p).map_err(|e| CliError::new(2, format!("{}: {e}", p.display())))?;
-            let mut w = BufWriter::new(f);
-            let err = sink_err.clone();
-            Some(Box::new(move |r: &PerRequest| {
-                if err.borrow().is_some() {
-                    return;
-                }
-                let line = serde_json::to_string(r).unwrap_or_default();
-                if let Err(e) =
-                    w.write_all(line.as_bytes()).and_then(|_| w.write_all(b"\n")).and_then(|_| w.flush())
-                {
-                    *err.borrow_mut() = Some(e);
-                }
-            }))
+            Some(Arc::new(Mutex::new(PerRequestOut { w: BufWriter::new(f), err: None })))
         }
         None => None,
     };
+    let per_request: Option<PerRequestSink> = per_request_out.clone().map(|out| {
+        Box::new(move |r: &PerRequest| {
+            let Ok(mut o) = out.lock() else { return };
+            if o.err.is_some() {
+                return;
+            }
+            let line = serde_json::to_string(r).unwrap_or_default();
+            if let Err(e) = o.w.write_all(line.as_bytes()).and_then(|_| o.w.write_all(b"\n")) {
+                o.err = Some(e);
+            }
+        }) as PerRequestSink
+    });
 
     let bar = if std::io::stderr().is_terminal() {
         let b = indicatif::ProgressBar::new_spinner();
@@ -188,8 +187,12 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
-    if let Some(e) = sink_err.borrow_mut().take() {
-        return Err(CliError::new(2, format!("writing per-request lines: {e}")));
+    if let Some(out) = per_request_out {
+        let mut o = out.lock().map_err(|_| CliError::new(2, "writing per-request lines: writer panicked"))?;
+        let flushed = o.w.flush();
+        if let Some(e) = o.err.take().or(flushed.err()) {
+            return Err(CliError::new(2, format!("writing per-request lines: {e}")));
+        }
     }
     let mut json = outcome.report.to_json();
     if let Some(m) = json.as_object_mut() {
@@ -226,4 +229,10 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         return Ok(1);
     }
     Ok(0)
+}
+
+/// The per-request file and its first write error.
+struct PerRequestOut {
+    w: BufWriter<File>,
+    err: Option<std::io::Error>,
 }

@@ -20,9 +20,10 @@
 //!   replay says which handoffs are stuck, where, and on what they wait.
 
 use crate::adapters::replay::config::{ConfigError, ReplayConfig};
+use crate::adapters::replay::sink::FactSink;
 use crate::adapters::replay::trace::{TraceError, TraceReader, TraceRequest};
 use crate::adapters::replay::transfer::{TransferConfig, TransferModel};
-use crate::events::{EngineShape, Fact, LogError, Record, RunWriter, StreamHeader, TerminalStatus};
+use crate::events::{EngineShape, Fact, LogError, RunWriter, StreamHeader, TerminalStatus};
 use crate::ids::{
     Backend, CancelReason, ClockDomain, EndReason, Generation, HandoffId, HandoffPolicy, IdMint,
     KvHandoffDemand, RequestId, Role, WorkerId,
@@ -242,8 +243,8 @@ pub struct Replay<'a> {
     pinned: std::collections::BTreeSet<HandoffId>,
     transfer: TransferConfig,
     mint: IdMint,
-    out: RunWriter,
-    metrics: MetricsFold,
+    /// The run's streams and the metrics fold, behind the writer thread.
+    sink: FactSink,
     trace: TraceReader<Box<dyn std::io::BufRead>>,
     next_arrival: Option<TraceRequest>,
     arrivals: u64,
@@ -319,6 +320,8 @@ impl<'a> Replay<'a> {
         metrics.add_stream(&router_header);
         headers.push(router_header);
         let out = RunWriter::create(out_dir, headers)?;
+        let sink = FactSink::start(out, metrics)
+            .map_err(|e| ReplayError::Engine(format!("starting the log writer thread: {e}")))?;
         let (prefill_workers, decode_workers): (Vec<WorkerId>, Vec<WorkerId>) = if cfg.is_disaggregated() {
             workers.iter().partition(|w| w.role == Role::Prefill)
         } else {
@@ -351,8 +354,7 @@ impl<'a> Replay<'a> {
             pinned: std::collections::BTreeSet::new(),
             transfer,
             mint,
-            out,
-            metrics,
+            sink,
             trace,
             next_arrival: None,
             arrivals: 0,
@@ -413,8 +415,7 @@ impl<'a> Replay<'a> {
             }
             _ => None,
         };
-        let seq = self.out.append(worker, at_ns, &fact)?;
-        self.metrics.apply(worker, &Record { seq, at_ns, fact });
+        self.sink.push(worker, at_ns, fact)?;
         if let Some(req) = released {
             if let Some(f) = self.prefill_router.free_prefill(req) {
                 self.emit_router(at_ns, f)?;
@@ -433,9 +434,7 @@ impl<'a> Replay<'a> {
     }
 
     fn emit_router(&mut self, at_ns: u64, fact: Fact) -> Result<(), ReplayError> {
-        let seq = self.out.append(WorkerId::ROUTER, at_ns, &fact)?;
-        self.metrics.apply(WorkerId::ROUTER, &Record { seq, at_ns, fact });
-        Ok(())
+        self.sink.push(WorkerId::ROUTER, at_ns, fact)
     }
 
     fn emit_all(&mut self, slot: usize, at_ns: u64, facts: Vec<Fact>) -> Result<(), ReplayError> {
@@ -462,8 +461,7 @@ impl<'a> Replay<'a> {
         }
         let stuck = self.diagnose();
         let drained = stuck.is_empty();
-        self.out.finish()?;
-        let report = self.metrics.report();
+        let report = self.sink.finish()?;
         Ok(ReplayOutcome { report, drained, stuck, events: self.events, virtual_end_ns: self.now_ns })
     }
 

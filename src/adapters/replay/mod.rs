@@ -2,5 +2,6 @@
 
 pub mod config;
 pub mod engine;
+pub mod sink;
 pub mod trace;
 pub mod transfer;

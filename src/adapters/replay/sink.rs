@@ -1,0 +1,124 @@
+//! Where the replay's facts go: the run's streams and the metrics fold, on a second thread.
+//!
+//! Encoding, checksumming and writing a record, and folding it into the report, cost about as
+//! much as simulating the step that produced it. The simulation is sequential, but these are
+//! not part of it: nothing the event loop decides depends on them. So the loop hands its facts,
+//! in emission order, to a writer thread in batches, and the writer appends and folds them in
+//! exactly that order. Logs and report are byte-for-byte what a single thread would produce.
+//!
+//! The hand-over is bounded (a few batches in flight), so a slow disk slows the loop down
+//! instead of buffering the run in memory. The first error the writer meets stops it; the loop
+//! sees the closed channel at its next hand-over and reports that error.
+
+use super::engine::ReplayError;
+use crate::events::{Fact, LogError, Record, RunWriter};
+use crate::ids::WorkerId;
+use crate::projections::metrics::{MetricsFold, MetricsReport};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::thread::JoinHandle;
+
+/// Facts per hand-over: large enough that the channel's cost per fact is negligible.
+const BATCH_FACTS: usize = 4096;
+/// Batches in flight between the loop and the writer (the queue's limit).
+const BATCHES_IN_FLIGHT: usize = 4;
+
+type Batch = Vec<(WorkerId, u64, Fact)>;
+
+/// The loop's end of the hand-over.
+pub struct FactSink {
+    batch: Batch,
+    to_writer: Option<SyncSender<Batch>>,
+    /// Emptied batches coming back, so steady state allocates nothing.
+    recycled: Receiver<Batch>,
+    writer: Option<JoinHandle<Result<MetricsReport, LogError>>>,
+}
+
+impl FactSink {
+    /// Starts the writer thread, which owns `out` and `metrics` until [`FactSink::finish`].
+    pub fn start(out: RunWriter, metrics: MetricsFold) -> std::io::Result<Self> {
+        let (to_writer, from_loop) = sync_channel::<Batch>(BATCHES_IN_FLIGHT);
+        // One more than can be in flight: returning a batch never blocks the writer.
+        let (to_loop, recycled) = sync_channel::<Batch>(BATCHES_IN_FLIGHT + 2);
+        let writer = std::thread::Builder::new()
+            .name("handoff-log-writer".into())
+            .spawn(move || write_batches(out, metrics, from_loop, to_loop))?;
+        Ok(FactSink {
+            batch: Vec::with_capacity(BATCH_FACTS),
+            to_writer: Some(to_writer),
+            recycled,
+            writer: Some(writer),
+        })
+    }
+
+    /// Queues one fact of `worker`'s stream.
+    #[inline]
+    pub fn push(&mut self, worker: WorkerId, at_ns: u64, fact: Fact) -> Result<(), ReplayError> {
+        self.batch.push((worker, at_ns, fact));
+        if self.batch.len() >= BATCH_FACTS {
+            self.hand_over()?;
+        }
+        Ok(())
+    }
+
+    fn hand_over(&mut self) -> Result<(), ReplayError> {
+        let next = self.recycled.try_recv().unwrap_or_else(|_| Vec::with_capacity(BATCH_FACTS));
+        let full = std::mem::replace(&mut self.batch, next);
+        let sent = self.to_writer.as_ref().is_some_and(|tx| tx.send(full).is_ok());
+        if !sent {
+            // The writer stopped: its error says why.
+            return Err(match self.join() {
+                Err(e) => e,
+                Ok(_) => ReplayError::Engine("the log writer stopped before the run ended".into()),
+            });
+        }
+        Ok(())
+    }
+
+    fn join(&mut self) -> Result<MetricsReport, ReplayError> {
+        self.to_writer = None;
+        let Some(h) = self.writer.take() else {
+            return Err(ReplayError::Engine("the log writer already finished".into()));
+        };
+        match h.join() {
+            Ok(r) => r.map_err(ReplayError::Log),
+            Err(_) => Err(ReplayError::Engine("the log writer thread panicked".into())),
+        }
+    }
+
+    /// Hands over what is left, waits for the writer to flush every stream, and returns the
+    /// report folded from exactly the facts written.
+    pub fn finish(mut self) -> Result<MetricsReport, ReplayError> {
+        if !self.batch.is_empty() {
+            self.hand_over()?;
+        }
+        self.join()
+    }
+}
+
+impl Drop for FactSink {
+    fn drop(&mut self) {
+        // An abandoned run (an error in the loop) still gets what it wrote flushed.
+        self.to_writer = None;
+        if let Some(h) = self.writer.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn write_batches(
+    mut out: RunWriter,
+    mut metrics: MetricsFold,
+    from_loop: Receiver<Batch>,
+    to_loop: SyncSender<Batch>,
+) -> Result<MetricsReport, LogError> {
+    while let Ok(mut batch) = from_loop.recv() {
+        for (worker, at_ns, fact) in batch.drain(..) {
+            let seq = out.append(worker, at_ns, &fact)?;
+            metrics.apply(worker, &Record { seq, at_ns, fact });
+        }
+        // The loop may have enough spares already; then this one is simply dropped.
+        let _ = to_loop.try_send(batch);
+    }
+    out.finish()?;
+    Ok(metrics.report())
+}
