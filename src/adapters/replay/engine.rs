@@ -20,6 +20,7 @@
 //!   replay says which handoffs are stuck, where, and on what they wait.
 
 use crate::adapters::replay::config::{ConfigError, ReplayConfig};
+use crate::adapters::replay::queue::EventQueue;
 use crate::adapters::replay::sink::FactSink;
 use crate::adapters::replay::trace::{TraceError, TraceReader, TraceRequest};
 use crate::adapters::replay::transfer::{TransferConfig, TransferModel};
@@ -40,8 +41,7 @@ use crate::schedulers::vllm::VllmCore;
 use crate::schedulers::{
     CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, Request,
 };
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
 
 const NS_PER_MS: u64 = 1_000_000;
@@ -131,62 +131,6 @@ impl Batch {
     }
 }
 
-/// A heap entry: the event's order key and its place in the event slab. The heap moves only
-/// these 24 bytes while sifting; the (much larger) events stay put in the slab.
-struct Queued {
-    at_ns: u64,
-    seq: u64,
-    index: u32,
-}
-
-/// Events waiting in the queue, by slab index; freed places are reused (LIFO), so the slab
-/// grows with events in flight, not with the trace.
-#[derive(Default)]
-struct EventSlab {
-    events: Vec<Option<Ev>>,
-    free: Vec<u32>,
-}
-
-impl EventSlab {
-    fn insert(&mut self, ev: Ev) -> u32 {
-        match self.free.pop() {
-            Some(i) => {
-                self.events[i as usize] = Some(ev);
-                i
-            }
-            None => {
-                self.events.push(Some(ev));
-                (self.events.len() - 1) as u32
-            }
-        }
-    }
-
-    fn take(&mut self, index: u32) -> Option<Ev> {
-        let ev = self.events.get_mut(index as usize)?.take();
-        if ev.is_some() {
-            self.free.push(index);
-        }
-        ev
-    }
-}
-
-impl PartialEq for Queued {
-    fn eq(&self, o: &Self) -> bool {
-        (self.at_ns, self.seq) == (o.at_ns, o.seq)
-    }
-}
-impl Eq for Queued {}
-impl PartialOrd for Queued {
-    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Queued {
-    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-        (self.at_ns, self.seq).cmp(&(o.at_ns, o.seq))
-    }
-}
-
 struct Slot {
     id: WorkerId,
     core: Box<dyn EngineCore>,
@@ -230,10 +174,8 @@ pub struct Replay<'a> {
     cfg: ReplayConfig,
     policy: HandoffPolicy,
     now_ns: u64,
-    seq: u64,
     events: u64,
-    queue: BinaryHeap<Reverse<Queued>>,
-    slab: EventSlab,
+    queue: EventQueue<Ev>,
     slots: Vec<Slot>,
     prefill_router: Router,
     decode_router: Option<Router>,
@@ -342,10 +284,8 @@ impl<'a> Replay<'a> {
         let mut r = Replay {
             policy,
             now_ns: 0,
-            seq: 0,
             events: 0,
-            queue: BinaryHeap::new(),
-            slab: EventSlab::default(),
+            queue: EventQueue::new(workers.len()),
             slots,
             prefill_router,
             decode_router,
@@ -382,9 +322,7 @@ impl<'a> Replay<'a> {
     }
 
     fn push(&mut self, at_ns: u64, ev: Ev) {
-        self.seq += 1;
-        let index = self.slab.insert(ev);
-        self.queue.push(Reverse(Queued { at_ns, seq: self.seq, index }));
+        self.queue.push(at_ns, ev);
     }
 
     fn push_all(&mut self, evs: Vec<Ev>) {
@@ -446,11 +384,8 @@ impl<'a> Replay<'a> {
 
     /// Runs to the end of the trace and until every event is handled.
     pub fn run(mut self) -> Result<ReplayOutcome, ReplayError> {
-        while let Some(Reverse(q)) = self.queue.pop() {
-            debug_assert!(q.at_ns >= self.now_ns, "time went backwards");
-            // Every queued index holds its event (taken exactly once, here).
-            let Some(ev) = self.slab.take(q.index) else { continue };
-            self.now_ns = q.at_ns;
+        while let Some((at_ns, ev)) = self.queue.pop() {
+            self.now_ns = at_ns;
             self.events += 1;
             self.handle(ev)?;
             if self.events % 4096 == 0 {
@@ -693,7 +628,7 @@ impl<'a> Replay<'a> {
                 slot.busy = true;
                 slot.pending = Some(out.effects);
                 slot.zero_steps = (u64::MAX, 0);
-                self.push(now + out.duration_ns, Ev::StepDone(s));
+                self.queue.push_lane(s, now + out.duration_ns, Ev::StepDone(s));
                 return Ok(());
             }
             if out.effects.facts.is_empty() && out.effects.outputs.is_empty() {
