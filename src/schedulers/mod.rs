@@ -193,4 +193,11 @@ pub trait EngineCore {
     /// The same figures recounted from the core's block structures (slow; tests and audits).
     fn audit(&self) -> KvCapacitySnapshot;
     fn view(&self) -> SchedulerView;
+
+    /// Hands back an emptied [`Effects`] (its vectors keep their capacity) for the core to
+    /// fill again: a replay runs millions of steps, and this saves their allocations. A core
+    /// may ignore it.
+    fn recycle(&mut self, effects: Effects) {
+        let _ = effects;
+    }
 }

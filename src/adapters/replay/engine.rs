@@ -752,12 +752,16 @@ impl<'a> Replay<'a> {
         Ok(())
     }
 
-    fn apply_effects(&mut self, s: usize, effects: Effects) -> Result<(), ReplayError> {
+    fn apply_effects(&mut self, s: usize, mut effects: Effects) -> Result<(), ReplayError> {
         let now = self.now_ns;
-        self.emit_all(s, now, effects.facts)?;
-        for o in effects.outputs {
+        for f in effects.facts.drain(..) {
+            self.emit(s, now, f)?;
+        }
+        for o in effects.outputs.drain(..) {
             self.on_output(s, o)?;
         }
+        // The emptied vectors go back to the core for its next call.
+        self.slots[s].core.recycle(effects);
         Ok(())
     }
 

@@ -158,6 +158,11 @@ pub struct VllmCore {
     next_lease: u64,
     next_reservation: u64,
     internal_error: Option<String>,
+    /// Emptied effects handed back by the adapter, reused by the next step.
+    spare: Option<Effects>,
+    /// Per-step scratch lists, kept so a step allocates nothing in steady state.
+    scratch_scheduled: Vec<(RequestId, u64, bool)>,
+    scratch_produced: Vec<RequestId>,
 }
 
 /// A reservation that fits: (blocks, prefix blocks, fresh pages, prompt block hashes).
@@ -201,6 +206,9 @@ impl VllmCore {
             next_lease: 1,
             next_reservation: 1,
             internal_error: None,
+            spare: None,
+            scratch_scheduled: Vec::new(),
+            scratch_produced: Vec::new(),
         })
     }
 
@@ -997,10 +1005,11 @@ impl EngineCore for VllmCore {
     }
 
     fn step(&mut self, at_ns: u64) -> StepOutput {
-        let mut fx = Effects::default();
+        let mut fx = self.spare.take().unwrap_or_default();
         let mut step_acc = self.pool.take_delta();
         let mut budget = self.cfg.max_num_batched_tokens as u64;
-        let mut scheduled: Vec<(RequestId, u64, bool)> = Vec::with_capacity(self.running.len() + 8);
+        let mut scheduled = std::mem::take(&mut self.scratch_scheduled);
+        scheduled.clear();
         let mut preempted = false;
 
         // 1. Running requests, in scheduling order; make room by preempting from the back.
@@ -1063,13 +1072,15 @@ impl EngineCore for VllmCore {
         if scheduled.is_empty() {
             // Nothing runnable now (empty, or the head waits for capacity held elsewhere).
             self.retry_pending(&mut fx);
+            self.scratch_scheduled = scheduled;
             return StepOutput { effects: fx, duration_ns: 0 };
         }
 
         // 4. Compute: advance tokens, hash and publish newly full blocks.
         let mut prefill_tokens = 0u64;
         let mut decode_tokens = 0u64;
-        let mut produced: Vec<RequestId> = Vec::new();
+        let mut produced = std::mem::take(&mut self.scratch_produced);
+        produced.clear();
         let mut runs = Vec::new();
         for &(id, tokens, prefill) in &scheduled {
             let Some(s) = self.seqs.get_mut(&id) else { continue };
@@ -1120,7 +1131,7 @@ impl EngineCore for VllmCore {
         // 5. Tokens produced: first tokens, pins, completions.
         let end_ns = at_ns.saturating_add(duration_ns);
         let mut left_running = false;
-        for id in produced {
+        for &id in &produced {
             let Some(s) = self.seqs.get(&id) else { continue };
             let first = s.generated == 1;
             let kind = s.kind;
@@ -1174,6 +1185,8 @@ impl EngineCore for VllmCore {
             self.running.retain(|r| seqs.contains_key(r));
         }
         self.retry_pending(&mut fx);
+        self.scratch_scheduled = scheduled;
+        self.scratch_produced = produced;
         StepOutput { effects: fx, duration_ns }
     }
 
@@ -1204,5 +1217,10 @@ impl EngineCore for VllmCore {
             held_prefills: self.pinned,
             pending_reservations: self.pending.len() as u64,
         }
+    }
+    fn recycle(&mut self, mut effects: Effects) {
+        effects.facts.clear();
+        effects.outputs.clear();
+        self.spare = Some(effects);
     }
 }
