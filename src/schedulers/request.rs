@@ -49,6 +49,30 @@ impl Request {
         let full = self.input_tokens / block_size;
         let mut out = Vec::with_capacity(full as usize);
         let mut parent: BlockHash = ROOT_HASH;
+        let tbs = self.trace_block_size.max(1);
+        if block_size > 0 && tbs % block_size == 0 {
+            // Every engine block lies inside one trace block: walk them in order instead of
+            // dividing per block (the same keys as `block_content`, which tests check).
+            let per_trace_block = tbs / block_size;
+            'outer: for &id in self.trace_blocks.iter() {
+                let head = mix(BLOCK_KEY_SEED, id);
+                for k in 0..per_trace_block {
+                    if out.len() as u32 == full {
+                        break 'outer;
+                    }
+                    let offset = (k * block_size) as u64;
+                    let h = chain(parent, mix(head, offset << 32 | block_size as u64));
+                    out.push(h);
+                    parent = h;
+                }
+            }
+            if out.len() as u32 == full {
+                return out;
+            }
+            // Fewer trace blocks than the prompt needs: the general path fills in missing ids.
+            out.clear();
+            parent = ROOT_HASH;
+        }
         for b in 0..full {
             let h = chain(parent, self.block_content(b, block_size));
             out.push(h);
@@ -62,7 +86,7 @@ impl Request {
         let tbs = self.trace_block_size.max(1) as u64;
         let start = b as u64 * block_size as u64;
         let end = start + block_size as u64;
-        let mut key = 0x9e37_79b9_7f4a_7c15u64;
+        let mut key = BLOCK_KEY_SEED;
         let mut pos = start;
         while pos < end {
             let tb = (pos / tbs) as usize;
@@ -75,6 +99,9 @@ impl Request {
         key
     }
 }
+
+/// Where every engine block's content key starts.
+const BLOCK_KEY_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// The parent of a prompt's first block.
 pub const ROOT_HASH: BlockHash = 0;
@@ -130,6 +157,41 @@ mod tests {
         assert_eq!(hb.len(), 23);
         assert_eq!(ha[..16], hb[..16], "two shared trace blocks = 16 engine blocks");
         assert_ne!(ha[16], hb[16]);
+    }
+
+    /// The in-order walk (block size dividing the trace block size) gives exactly the keys of
+    /// the general per-block computation.
+    #[test]
+    fn fast_walk_equals_general_block_keys() {
+        for (input, blocks) in
+            [(1024 + 300, vec![7u64, 8, 9]), (512, vec![1]), (5000, vec![3; 10]), (64, vec![2])]
+        {
+            let r = req(1, input, &blocks);
+            for bs in [1u32, 16, 64, 128, 512] {
+                let general: Vec<BlockHash> = {
+                    let mut parent = ROOT_HASH;
+                    (0..input / bs)
+                        .map(|b| {
+                            parent = chain(parent, r.block_content(b, bs));
+                            parent
+                        })
+                        .collect()
+                };
+                assert_eq!(r.prompt_block_hashes(bs), general, "input {input}, block size {bs}");
+            }
+        }
+        // Too few trace blocks for the prompt: the general path's missing-id keys.
+        let short = req(1, 2048, &[4]);
+        let general: Vec<BlockHash> = {
+            let mut parent = ROOT_HASH;
+            (0..2048 / 64)
+                .map(|b| {
+                    parent = chain(parent, short.block_content(b, 64));
+                    parent
+                })
+                .collect()
+        };
+        assert_eq!(short.prompt_block_hashes(64), general);
     }
 
     #[test]

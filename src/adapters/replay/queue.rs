@@ -34,15 +34,14 @@ pub struct EventQueue<E> {
     slab: Vec<Option<E>>,
     free: Vec<u32>,
     now_fifo: VecDeque<(u64, u64, E)>,
-    lanes: Vec<Option<(u64, u64, E)>>,
+    /// Each lane's `(time, seq)`, `EMPTY` when the lane holds nothing: kept apart from the
+    /// events so finding the earliest lane scans a few contiguous words.
+    lane_keys: Vec<(u64, u64)>,
+    lane_events: Vec<Option<E>>,
+    lanes_used: usize,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Source {
-    Heap,
-    Fifo,
-    Lane(usize),
-}
+const EMPTY: (u64, u64) = (u64::MAX, u64::MAX);
 
 impl<E> EventQueue<E> {
     pub fn new(lanes: usize) -> Self {
@@ -53,13 +52,15 @@ impl<E> EventQueue<E> {
             slab: Vec::new(),
             free: Vec::new(),
             now_fifo: VecDeque::new(),
-            lanes: (0..lanes).map(|_| None).collect(),
+            lane_keys: vec![EMPTY; lanes],
+            lane_events: (0..lanes).map(|_| None).collect(),
+            lanes_used: 0,
         }
     }
 
     /// Events waiting.
     pub fn len(&self) -> usize {
-        self.heap.len() + self.now_fifo.len() + self.lanes.iter().filter(|l| l.is_some()).count()
+        self.heap.len() + self.now_fifo.len() + self.lanes_used
     }
 
     pub fn is_empty(&self) -> bool {
@@ -89,44 +90,51 @@ impl<E> EventQueue<E> {
 
     /// Queues `ev` in `lane`; a lane holds one event, so a second one goes to the heap.
     pub fn push_lane(&mut self, lane: usize, at_ns: u64, ev: E) {
-        match self.lanes.get(lane) {
-            Some(None) if at_ns > self.now_ns => {
-                self.seq += 1;
-                self.lanes[lane] = Some((at_ns, self.seq, ev));
-            }
-            _ => self.push(at_ns, ev),
+        if self.lane_keys.get(lane) == Some(&EMPTY) && at_ns > self.now_ns {
+            self.seq += 1;
+            self.lane_keys[lane] = (at_ns, self.seq);
+            self.lane_events[lane] = Some(ev);
+            self.lanes_used += 1;
+        } else {
+            self.push(at_ns, ev);
         }
     }
 
     /// The next event in `(time, seq)` order, with its time.
     pub fn pop(&mut self) -> Option<(u64, E)> {
-        let mut best: Option<(u64, u64, Source)> = None;
-        let mut consider = |at: u64, seq: u64, src: Source| {
-            if best.is_none_or(|(a, s, _)| (at, seq) < (a, s)) {
-                best = Some((at, seq, src));
+        // The earliest lane (EMPTY lanes compare last).
+        let mut lane = usize::MAX;
+        let mut best = EMPTY;
+        if self.lanes_used > 0 {
+            for (i, k) in self.lane_keys.iter().enumerate() {
+                if *k < best {
+                    best = *k;
+                    lane = i;
+                }
             }
-        };
-        if let Some(Reverse(k)) = self.heap.peek() {
-            consider(k.at_ns, k.seq, Source::Heap);
         }
+        // Then whichever of FIFO head and heap top comes before it.
+        let mut from_fifo = false;
         if let Some((at, seq, _)) = self.now_fifo.front() {
-            consider(*at, *seq, Source::Fifo);
-        }
-        for (i, l) in self.lanes.iter().enumerate() {
-            if let Some((at, seq, _)) = l {
-                consider(*at, *seq, Source::Lane(i));
+            if (*at, *seq) < best {
+                best = (*at, *seq);
+                from_fifo = true;
             }
         }
-        let (at_ns, _, src) = best?;
-        let ev = match src {
-            Source::Heap => {
-                let Reverse(k) = self.heap.pop()?;
-                let ev = self.slab.get_mut(k.index as usize)?.take()?;
-                self.free.push(k.index);
-                ev
-            }
-            Source::Fifo => self.now_fifo.pop_front()?.2,
-            Source::Lane(i) => self.lanes[i].take()?.2,
+        let from_heap = matches!(self.heap.peek(), Some(Reverse(k)) if (k.at_ns, k.seq) < best);
+        let (at_ns, ev) = if from_heap {
+            let Reverse(k) = self.heap.pop()?;
+            let ev = self.slab.get_mut(k.index as usize)?.take()?;
+            self.free.push(k.index);
+            (k.at_ns, ev)
+        } else if from_fifo {
+            let (at, _, ev) = self.now_fifo.pop_front()?;
+            (at, ev)
+        } else {
+            let ev = self.lane_events.get_mut(lane)?.take()?;
+            self.lane_keys[lane] = EMPTY;
+            self.lanes_used -= 1;
+            (best.0, ev)
         };
         debug_assert!(at_ns >= self.now_ns, "time went backwards");
         self.now_ns = at_ns;

@@ -513,6 +513,12 @@ impl VllmCore {
 
     /// Allocates `need` fresh blocks for a running request's growth (delta into the step).
     fn grow(&mut self, id: RequestId, need: u64, fx: &mut Effects, step_acc: &mut KvDelta) {
+        if need == 0 {
+            // Most decode steps: nothing to allocate, only the accounting to keep in order.
+            *step_acc = step_acc.plus(self.pool.take_delta());
+            self.flush_removed(fx);
+            return;
+        }
         let mut fresh = Vec::with_capacity(need as usize);
         for _ in 0..need {
             match self.pool.alloc(Owner::Active) {
