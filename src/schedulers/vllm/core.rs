@@ -275,9 +275,10 @@ impl VllmCore {
             return;
         }
         let bs = self.bs();
-        // Most decode steps fill no block: check before taking the request out of the map.
+        // Most decode steps fill no block: check before taking the request out of the map
+        // (block `hashed` is full once `computed` reaches its end).
         match self.seqs.get(&id) {
-            Some(s) if s.hashed < ((s.computed / bs) as usize).min(s.blocks.len()) => {}
+            Some(s) if s.hashed < s.blocks.len() && (s.hashed as u64 + 1) * bs as u64 <= s.computed as u64 => {}
             _ => return,
         }
         let Some(mut s) = self.seqs.remove(&id) else { return };
@@ -1033,7 +1034,13 @@ impl EngineCore for VllmCore {
                 (1, false)
             };
             let kv_tokens = s.computed as u64 + tokens;
-            let need = self.blocks_for(kv_tokens).saturating_sub(s.blocks.len() as u64);
+            // Multiply before dividing: most steps need no new block.
+            let held = s.blocks.len() as u64;
+            let need = if kv_tokens <= held * self.bs() as u64 {
+                0
+            } else {
+                self.blocks_for(kv_tokens).saturating_sub(held)
+            };
             let mut self_preempted = false;
             while self.pool.available() < need {
                 let Some(&victim) = self.running.last() else { break };
@@ -1112,9 +1119,15 @@ impl EngineCore for VllmCore {
                 s.computed += 1;
                 s.generated += 1;
                 decode_tokens += 1;
-                produced.push(id);
+                // Step 5 only acts on a first token, a finished request or a terminal prefill;
+                // a decode token in the middle of a request needs nothing there.
+                if s.generated == 1 || s.generated >= s.max_output() || matches!(s.kind, SeqKind::Source { .. }) {
+                    produced.push(id);
+                }
             }
-            self.hash_full_blocks(id, &mut runs);
+            if s.hashed < s.blocks.len() && (s.hashed as u64 + 1) * self.cfg.block_size as u64 <= s.computed as u64 {
+                self.hash_full_blocks(id, &mut runs);
+            }
         }
         step_acc = step_acc.plus(self.pool.take_delta());
         let bs = self.bs() as u64;
