@@ -326,6 +326,12 @@ impl BlockPool {
         self.blocks.get(b as usize).and_then(|x| x.hash())
     }
 
+    /// Nothing changed since the last [`BlockPool::take_delta`] and nothing was evicted since the
+    /// last [`BlockPool::take_removed`]: there is nothing to attach to a fact.
+    pub fn is_quiet(&self) -> bool {
+        self.acc == KvDelta::ZERO && self.removed.is_empty()
+    }
+
     /// Drains the class changes since the last call (to attach to a fact).
     pub fn take_delta(&mut self) -> KvDelta {
         std::mem::take(&mut self.acc)

@@ -331,6 +331,9 @@ impl VllmCore {
     }
 
     fn push_stored(fx: &mut Effects, runs: Vec<(Option<BlockHash>, Vec<BlockHash>)>) {
+        if runs.is_empty() {
+            return;
+        }
         for (parent, blocks) in runs {
             fx.facts.push(Fact::KvStored { parent, blocks });
         }
@@ -514,10 +517,8 @@ impl VllmCore {
 
     /// Allocates `need` fresh blocks for a running request's growth (delta into the step).
     fn grow(&mut self, id: RequestId, need: u64, fx: &mut Effects, step_acc: &mut KvDelta) {
-        if need == 0 {
-            // Most decode steps: nothing to allocate, only the accounting to keep in order.
-            *step_acc = step_acc.plus(self.pool.take_delta());
-            self.flush_removed(fx);
+        if need == 0 && self.pool.is_quiet() {
+            // Most decode steps: nothing to allocate and no accounting pending.
             return;
         }
         let mut fresh = Vec::with_capacity(need as usize);
