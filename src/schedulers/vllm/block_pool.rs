@@ -440,10 +440,22 @@ impl BlockPool {
             return Some(b);
         }
         let b = self.lru_pop_head()?;
-        // Evictions come in runs (a request's blocks): fetch a victim a few places ahead now.
-        const EVICT_AHEAD: usize = 8;
+        // Evictions come in runs (a request's blocks). Two stages ahead: fetch a victim far
+        // ahead; nearer, that victim is cached, so fetch what unlinking it will write (its
+        // bucket or chain predecessor).
+        const EVICT_AHEAD: usize = 16;
+        const UNLINK_AHEAD: usize = 8;
         if let Some(blk) = self.lru.get(EVICT_AHEAD).and_then(|&(x, _)| self.blocks.get(x as usize)) {
             prefetch(blk);
+        }
+        if let Some(blk) = self.lru.get(UNLINK_AHEAD).and_then(|&(x, _)| self.blocks.get(x as usize)) {
+            if blk.hprev == NIL {
+                if let Some(head) = self.heads.get(self.bucket(blk.hash)) {
+                    prefetch(head);
+                }
+            } else if let Some(p) = self.blocks.get(blk.hprev as usize) {
+                prefetch(p);
+            }
         }
         // Evict: cached → (no hash) → owner class. A hashed block is always its hash's
         // canonical block (set_hash never hashes a duplicate), so it is the index entry.
