@@ -516,7 +516,7 @@ fn write_merged_to(run_path: &Path, tmp_path: &Path, out_path: &Path) -> Result<
         scratch.extend_from_slice(&(stream as u16).to_le_bytes());
         scratch.extend_from_slice(&rec.seq.to_le_bytes());
         scratch.extend_from_slice(&rec.at_ns.to_le_bytes());
-        codec::encode_into(&rec.fact, &mut scratch)
+        codec::encode_fact_into(&rec.fact, &mut scratch)
             .map_err(|reason| LogError::Encode { path: out_path.into(), reason })?;
         let len = scratch.len() - FRAME_PREFIX_BYTES;
         if len > MAX_RECORD_BYTES {
