@@ -54,7 +54,7 @@ const STEP_EXECUTED_VARIANT: u64 = 8;
 
 /// bincode's variable-length unsigned integer: one byte below 251, else a marker byte (251,
 /// 252, 253 for 2, 4, 8 bytes) followed by the value in little-endian.
-#[inline]
+#[inline(always)]
 fn varint(out: &mut Vec<u8>, v: u64) {
     if v < 251 {
         out.push(v as u8);

@@ -543,7 +543,10 @@ fn write_merged_to(run_path: &Path, tmp_path: &Path, out_path: &Path) -> Result<
 pub struct RunWriter {
     dir: PathBuf,
     headers: BTreeMap<WorkerId, StreamHeader>,
-    streams: BTreeMap<WorkerId, StreamWriter<BufWriter<File>>>,
+    /// Open streams, sorted by worker.
+    streams: Vec<(WorkerId, StreamWriter<BufWriter<File>>)>,
+    /// The stream appended to last: a step's records come in runs for one worker.
+    last: usize,
 }
 
 impl RunWriter {
@@ -563,7 +566,7 @@ impl RunWriter {
             }
         }
         let mut run =
-            RunWriter { dir: dir.to_path_buf(), headers: BTreeMap::new(), streams: BTreeMap::new() };
+            RunWriter { dir: dir.to_path_buf(), headers: BTreeMap::new(), streams: Vec::new(), last: 0 };
         for h in headers {
             run.declare(h)?;
         }
@@ -606,10 +609,12 @@ impl RunWriter {
 
     /// `worker`'s stream, creating its file on first use.
     pub fn stream(&mut self, worker: WorkerId) -> Result<&mut StreamWriter<BufWriter<File>>, LogError> {
-        use std::collections::btree_map::Entry;
-        match self.streams.entry(worker) {
-            Entry::Occupied(e) => Ok(e.into_mut()),
-            Entry::Vacant(e) => {
+        if self.streams.get(self.last).is_some_and(|(w, _)| *w == worker) {
+            return Ok(&mut self.streams[self.last].1);
+        }
+        let i = match self.streams.binary_search_by_key(&worker, |(w, _)| *w) {
+            Ok(i) => i,
+            Err(i) => {
                 let Some(header) = self.headers.get(&worker) else {
                     return Err(LogError::UnknownWorker { path: self.dir.clone(), worker });
                 };
@@ -618,9 +623,12 @@ impl RunWriter {
                     header,
                     RUN_STREAM_BUFFER_BYTES,
                 )?;
-                Ok(e.insert(w))
+                self.streams.insert(i, (worker, w));
+                i
             }
-        }
+        };
+        self.last = i;
+        Ok(&mut self.streams[i].1)
     }
 
     /// Appends to `worker`'s stream.

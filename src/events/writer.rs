@@ -36,6 +36,9 @@ pub struct StreamWriter<W: Write> {
     next_seq: u64,
     bytes_written: u64,
     poisoned: bool,
+    /// A fresh checksum state, cloned per record: `crc32fast::hash` re-detects CPU features on
+    /// every call.
+    crc: crc32fast::Hasher,
 }
 
 impl<W: Write> StreamWriter<W> {
@@ -58,6 +61,7 @@ impl<W: Write> StreamWriter<W> {
             next_seq: 0,
             bytes_written: 0,
             poisoned: false,
+            crc: crc32fast::Hasher::new(),
         };
         w.write_scratch()?;
         Ok(w)
@@ -83,7 +87,9 @@ impl<W: Write> StreamWriter<W> {
                 max: MAX_RECORD_BYTES,
             });
         }
-        let crc = crc32fast::hash(&s[FRAME_PREFIX_BYTES..]);
+        let mut h = self.crc.clone();
+        h.update(&s[FRAME_PREFIX_BYTES..]);
+        let crc = h.finalize();
         s[0..4].copy_from_slice(&(len as u32).to_le_bytes());
         s[4..8].copy_from_slice(&crc.to_le_bytes());
         self.write_scratch()?;
@@ -188,6 +194,7 @@ impl StreamWriter<BufWriter<File>> {
             next_seq,
             bytes_written: end,
             poisoned: false,
+            crc: crc32fast::Hasher::new(),
         };
         Ok((writer, torn))
     }
