@@ -90,7 +90,9 @@ pub type PerRequestSink = Box<dyn FnMut(&PerRequest) + Send>;
 #[derive(Default)]
 pub struct MetricsFold {
     run_seed: u64,
-    streams: BTreeMap<WorkerId, StreamState>,
+    /// Per-stream state, sorted by worker (looked up once per record: see `stream_index`).
+    streams: Vec<(WorkerId, StreamState)>,
+    last_stream: usize,
     in_flight: BTreeMap<RequestId, InFlight>,
     handoff_request: BTreeMap<HandoffId, RequestId>,
     pin_started: BTreeMap<HandoffId, u64>,
@@ -235,12 +237,31 @@ impl MetricsFold {
     /// Registers a stream before its records arrive.
     pub fn add_stream(&mut self, header: &StreamHeader) {
         self.run_seed = header.seed;
-        self.streams.entry(header.worker).or_default().role = Some(header.worker.role);
+        let i = self.stream_index(header.worker);
+        self.streams[i].1.role = Some(header.worker.role);
+    }
+
+    /// Where `worker`'s state is, added if new. Records come in runs per worker, so the last
+    /// answer is checked first.
+    fn stream_index(&mut self, worker: WorkerId) -> usize {
+        if self.streams.get(self.last_stream).is_some_and(|(w, _)| *w == worker) {
+            return self.last_stream;
+        }
+        let i = match self.streams.binary_search_by_key(&worker, |(w, _)| *w) {
+            Ok(i) => i,
+            Err(i) => {
+                self.streams.insert(i, (worker, StreamState::default()));
+                i
+            }
+        };
+        self.last_stream = i;
+        i
     }
 
     pub fn apply(&mut self, worker: WorkerId, rec: &Record) {
         let at = rec.at_ns;
-        let st = self.streams.entry(worker).or_default();
+        let si = self.stream_index(worker);
+        let st = &mut self.streams[si].1;
         let role = worker.role;
         // Flush a pending decode step once time moves on in its stream.
         if let Some((step_at, dur, toks)) = st.pending_step {
@@ -295,7 +316,7 @@ impl MetricsFold {
                 }
             }
             Fact::FirstTokenEmitted { request } if matches!(role, Role::Decode | Role::Aggregated) => {
-                let st = self.streams.entry(worker).or_default();
+                let st = &mut self.streams[si].1;
                 if st.first_tokens_at.0 == at {
                     st.first_tokens_at.1 += 1;
                 } else {
@@ -308,8 +329,7 @@ impl MetricsFold {
             Fact::StepExecuted { decode_tokens, duration_ns, .. }
                 if matches!(role, Role::Decode | Role::Aggregated) && *decode_tokens > 0 =>
             {
-                let st = self.streams.entry(worker).or_default();
-                st.pending_step = Some((at, *duration_ns, *decode_tokens as u64));
+                self.streams[si].1.pending_step = Some((at, *duration_ns, *decode_tokens as u64));
             }
             Fact::HandoffStarted { handoff, request, .. } => {
                 if self.handoff_request.insert(*handoff, *request).is_none() {
@@ -442,7 +462,7 @@ impl MetricsFold {
     /// The report as of the records seen so far.
     pub fn report(&mut self) -> MetricsReport {
         // Flush pending decode steps: nothing later can change their weight.
-        for st in self.streams.values_mut() {
+        for (_, st) in self.streams.iter_mut() {
             if let Some((step_at, dur, toks)) = st.pending_step.take() {
                 let firsts = if st.first_tokens_at.0 == step_at { st.first_tokens_at.1 } else { 0 };
                 self.itl.add_weighted(dur, toks.saturating_sub(firsts));
