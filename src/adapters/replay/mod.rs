@@ -2,5 +2,6 @@
 
 pub mod config;
 pub mod engine;
+pub mod faults;
 pub mod trace;
 pub mod transfer;
