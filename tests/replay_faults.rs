@@ -350,6 +350,9 @@ fn case(backend: Backend, phase: FaultPhase, kind: FaultKind, dir: &Path) {
             }
         }
     }
+    if matches!(kind, FaultKind::Cancel | FaultKind::ChannelLoss | FaultKind::RestartSource | FaultKind::RestartDestination) {
+        check_phase_in_log(&ctx, &recs, h, phase, backend);
+    }
     // No role ever ends the handoff twice, whatever the fault.
     for (w, c) in &canceled {
         assert_eq!(c.len(), 1, "{ctx}: {w} canceled {c:?}");
@@ -360,6 +363,67 @@ fn case(backend: Backend, phase: FaultPhase, kind: FaultKind, dir: &Path) {
             *w == source && matches!(f, Fact::SourceReleased { handoff, reason: EndReason::Success, .. } if *handoff == h)
         });
     assert!(source_ended, "{ctx}: the source never ended the handoff");
+}
+
+/// Where the fault hit, read back from the logs: on each role's own stream, which milestones
+/// of the handoff came before that role's cancellation. (Streams merge by time, so order across
+/// streams at one instant is not causal; order within one stream is.)
+fn check_phase_in_log(ctx: &str, recs: &[Rec], h: HandoffId, phase: FaultPhase, backend: Backend) {
+    let cancel_at = |role: Role| {
+        recs.iter().position(|(w, _, f)| {
+            w.role == role && matches!(f, Fact::HandoffCanceled { handoff, .. } if *handoff == h)
+        })
+    };
+    let before = |role: Role, end: usize, pred: &dyn Fn(&Fact) -> bool| {
+        recs[..end].iter().any(|(w, _, f)| w.role == role && f.handoff() == Some(h) && pred(f))
+    };
+    let got_reserved =
+        |f: &Fact| matches!(f, Fact::MessageReceived { kind: MessageKind::DestinationReserved, .. });
+    let got_ready = |f: &Fact| matches!(f, Fact::MessageReceived { kind: MessageKind::SourceReady, .. });
+    let got_received = |f: &Fact| matches!(f, Fact::MessageReceived { kind: MessageKind::ReceiveCompleted, .. });
+    let sent_ready = |f: &Fact| matches!(f, Fact::MessageSent { kind: MessageKind::SourceReady, .. });
+    let pinned = |f: &Fact| matches!(f, Fact::SourcePinned { .. });
+    let dispatched = |f: &Fact| matches!(f, Fact::PrefillDispatched { .. });
+    let routed = |f: &Fact| matches!(f, Fact::DestinationRouted { .. });
+    let reserved = |f: &Fact| matches!(f, Fact::DestinationReserved { .. });
+    let receiving = |f: &Fact| matches!(f, Fact::ReceiveStarted { .. });
+    let received = |f: &Fact| matches!(f, Fact::ReceiveCompleted { .. });
+    let sf = backend != Backend::Sglang;
+    if let Some(end) = cancel_at(Role::Prefill) {
+        let (must, must_not): (Vec<&dyn Fn(&Fact) -> bool>, Vec<&dyn Fn(&Fact) -> bool>) = match phase {
+            FaultPhase::BeforeDecodeRouting => (vec![&dispatched], vec![&pinned]),
+            FaultPhase::AfterBookingBeforeReservation if sf => (vec![&pinned], vec![&got_reserved]),
+            FaultPhase::AfterBookingBeforeReservation => (vec![], vec![&dispatched]),
+            FaultPhase::AfterReservation if sf => (vec![&pinned], vec![&got_reserved]),
+            FaultPhase::AfterReservation => (vec![], vec![&dispatched]),
+            FaultPhase::SourcePinned | FaultPhase::DuringTransfer => {
+                (vec![&pinned, &sent_ready], vec![&got_received])
+            }
+            FaultPhase::AfterReceiveBeforeReaderCompletion => (vec![&pinned], vec![&got_received]),
+        };
+        for (i, p) in must.iter().enumerate() {
+            assert!(before(Role::Prefill, end, *p), "{ctx}: source canceled before milestone #{i} of its phase");
+        }
+        for (i, p) in must_not.iter().enumerate() {
+            assert!(!before(Role::Prefill, end, *p), "{ctx}: source canceled after leaving its phase (#{i})");
+        }
+    }
+    if let Some(end) = cancel_at(Role::Decode) {
+        let (must, must_not): (Vec<&dyn Fn(&Fact) -> bool>, Vec<&dyn Fn(&Fact) -> bool>) = match phase {
+            FaultPhase::BeforeDecodeRouting => (vec![], vec![&routed]),
+            FaultPhase::AfterBookingBeforeReservation => (vec![&routed], vec![&reserved]),
+            FaultPhase::AfterReservation => (vec![&reserved], vec![&got_ready]),
+            FaultPhase::SourcePinned => (vec![&reserved], vec![&got_ready, &receiving]),
+            FaultPhase::DuringTransfer => (vec![&receiving], vec![&received]),
+            FaultPhase::AfterReceiveBeforeReaderCompletion => (vec![&received], vec![]),
+        };
+        for (i, p) in must.iter().enumerate() {
+            assert!(before(Role::Decode, end, *p), "{ctx}: destination canceled before milestone #{i} of its phase");
+        }
+        for (i, p) in must_not.iter().enumerate() {
+            assert!(!before(Role::Decode, end, *p), "{ctx}: destination canceled after leaving its phase (#{i})");
+        }
+    }
 }
 
 fn backends() -> [Backend; 2] {
