@@ -9,7 +9,7 @@ use handoff_ledger::adapters::replay::faults::{FaultKind, FaultPhase, FaultSpec}
 use handoff_ledger::adapters::replay::trace::{TraceOptions, TraceReader};
 use handoff_ledger::events::{Fact, MessageKind, MessageRejection, RunReader, TerminalStatus};
 use handoff_ledger::ids::{Backend, CancelReason, EndReason, Generation, HandoffId, RequestId, Role, WorkerId};
-use handoff_ledger::projections::run::project_capacity;
+use handoff_ledger::projections::run::{project_capacity, project_scheduler};
 use std::collections::BTreeMap;
 use std::io::{BufRead, Cursor};
 use std::path::Path;
@@ -86,6 +86,12 @@ fn check_conservation(ctx: &str, out: &Path, recs: &[Rec], outcome: &ReplayOutco
         );
         assert_eq!(s.request_slots_used, 0, "{ctx}: {} ends with request slots in use", row.worker);
         assert_eq!(s.decode_headroom_tokens, 0, "{ctx}: {} ends with decode headroom promised", row.worker);
+    }
+    // The scheduler-view fold agrees with every stream and ends with empty queues.
+    let mut r = RunReader::open(out).unwrap();
+    let views = project_scheduler(&mut r).unwrap_or_else(|e| panic!("{ctx}: scheduler fold refused the log: {e}"));
+    for (w, v) in views {
+        assert_eq!(v, Default::default(), "{ctx}: {w} ends with queued work");
     }
     // Per handoff: each pin and each reservation acquired once and ended exactly once.
     let mut count: BTreeMap<(HandoffId, &str), i32> = BTreeMap::new();
