@@ -200,7 +200,7 @@ fn check_no_final_peer_message(ctx: &str, recs: &[Rec], h: HandoffId) {
 fn case(backend: Backend, phase: FaultPhase, kind: FaultKind, dir: &Path) {
     let ctx = format!("[{} | {phase} | {kind}]", policy_of(backend));
     let out = dir.join(format!("{backend:?}-{phase}-{kind}"));
-    let spec = FaultSpec { request: FAULTED, phase, kind };
+    let spec = FaultSpec::new(FAULTED, phase, kind);
     let outcome = run(config(backend, 1, 1, vec![spec]), SPACED, &out)
         .unwrap_or_else(|e| panic!("{ctx}: replay failed: {e}"));
     assert_eq!(outcome.faults.len(), 1);
@@ -468,7 +468,7 @@ fn a_phase_that_does_not_exist_or_a_kind_that_cannot_apply_is_refused() {
         (Backend::Vllm, FaultPhase::BeforeDecodeRouting, FaultKind::RestartDestination, "no destination"),
     ];
     for (backend, phase, kind, want) in bad {
-        let spec = FaultSpec { request: 0, phase, kind };
+        let spec = FaultSpec::new(0, phase, kind);
         let e = run(config(backend, 1, 1, vec![spec]), SPACED, &dir.path().join("x"))
             .err()
             .unwrap_or_else(|| panic!("{backend:?} {phase} {kind} accepted"));
@@ -476,7 +476,7 @@ fn a_phase_that_does_not_exist_or_a_kind_that_cannot_apply_is_refused() {
         assert!(e.to_string().contains(want), "{backend:?} {phase} {kind}: {e}");
     }
     // Aggregated serving has no handoffs to fault.
-    let mut agg = config(Backend::Vllm, 0, 0, vec![FaultSpec { request: 0, phase: FaultPhase::DuringTransfer, kind: FaultKind::Cancel }]);
+    let mut agg = config(Backend::Vllm, 0, 0, vec![FaultSpec::new(0, FaultPhase::DuringTransfer, FaultKind::Cancel)]);
     agg.workers = 2;
     assert!(agg.validate().is_err());
 }
@@ -499,7 +499,7 @@ fn an_unknown_phase_or_kind_in_the_config_file_is_a_clear_error() {
     let p = dir.path().join("ok.json");
     std::fs::write(&p, r#"{"prefill_workers": 1, "decode_workers": 1, "faults": [{"request": 3, "phase": "after-reservation", "kind": "channel-loss"}]}"#).unwrap();
     let cfg = ReplayConfig::from_file(&p).unwrap();
-    assert_eq!(cfg.faults, vec![FaultSpec { request: 3, phase: FaultPhase::AfterReservation, kind: FaultKind::ChannelLoss }]);
+    assert_eq!(cfg.faults, vec![FaultSpec::new(3, FaultPhase::AfterReservation, FaultKind::ChannelLoss)]);
     cfg.validate().unwrap();
 }
 
@@ -508,10 +508,12 @@ fn a_fault_whose_phase_is_never_reached_is_reported_not_ignored() {
     let dir = tempfile::tempdir().unwrap();
     for backend in backends() {
         let plan = vec![
-            FaultSpec { request: 99, phase: FaultPhase::DuringTransfer, kind: FaultKind::Cancel },
+            FaultSpec::new(99, FaultPhase::DuringTransfer, FaultKind::Cancel),
             // Request 0 is canceled before its transfer, so its transfer phase never comes.
-            FaultSpec { request: 0, phase: FaultPhase::AfterBookingBeforeReservation, kind: FaultKind::Cancel },
-            FaultSpec { request: 0, phase: FaultPhase::DuringTransfer, kind: FaultKind::ChannelLoss },
+            FaultSpec::new(0, FaultPhase::AfterBookingBeforeReservation, FaultKind::Cancel),
+            FaultSpec::new(0, FaultPhase::DuringTransfer, FaultKind::ChannelLoss),
+            // A transfer of a few ms is over long before a 1 s delay.
+            FaultSpec { delay_ms: 1000, ..FaultSpec::new(2, FaultPhase::DuringTransfer, FaultKind::Cancel) },
         ];
         let out = dir.path().join(format!("{backend:?}"));
         let outcome = run(config(backend, 1, 1, plan), SPACED, &out).unwrap();
@@ -521,6 +523,9 @@ fn a_fault_whose_phase_is_never_reached_is_reported_not_ignored() {
         assert!(!f[0].fired() && f[0].notes.iter().any(|n| n.contains("no such request")), "{ctx}: {}", f[0]);
         assert!(f[1].fired(), "{ctx}: {}", f[1]);
         assert!(!f[2].fired() && f[2].notes.iter().any(|n| n.contains("ended before")), "{ctx}: {}", f[2]);
+        assert!(!f[3].fired() && f[3].notes.iter().any(|n| n.contains("left the phase")), "{ctx}: {}", f[3]);
+        let status = router_status(&records(&out));
+        assert_eq!(status[&RequestId(2)], TerminalStatus::Completed, "{ctx}: an unfired fault changes nothing");
         let recs = records(&out);
         check_conservation(ctx, &out, &recs, &outcome);
     }
@@ -534,7 +539,7 @@ fn stale_generation_messages_in_flight_at_a_restart_are_rejected() {
     for backend in backends() {
         let ctx = policy_of(backend);
         let out = dir.path().join(format!("{backend:?}"));
-        let spec = FaultSpec { request: FAULTED, phase: FaultPhase::AfterReservation, kind: FaultKind::RestartDestination };
+        let spec = FaultSpec::new(FAULTED, FaultPhase::AfterReservation, FaultKind::RestartDestination);
         let outcome = run(config(backend, 1, 1, vec![spec]), SPACED, &out).unwrap();
         let recs = records(&out);
         check_conservation(ctx, &out, &recs, &outcome);
@@ -570,12 +575,12 @@ fn several_faults_in_a_busy_cluster_unwind_everything_exactly_once() {
     for backend in backends() {
         let ctx = policy_of(backend);
         let plan = vec![
-            FaultSpec { request: 5, phase: FaultPhase::DuringTransfer, kind: FaultKind::RestartDestination },
-            FaultSpec { request: 11, phase: FaultPhase::SourcePinned, kind: FaultKind::RestartSource },
-            FaultSpec { request: 20, phase: FaultPhase::AfterReservation, kind: FaultKind::ChannelLoss },
-            FaultSpec { request: 30, phase: FaultPhase::AfterBookingBeforeReservation, kind: FaultKind::Cancel },
-            FaultSpec { request: 40, phase: FaultPhase::SourcePinned, kind: FaultKind::DuplicateMessage },
-            FaultSpec { request: 41, phase: FaultPhase::DuringTransfer, kind: FaultKind::LateMessage },
+            FaultSpec::new(5, FaultPhase::DuringTransfer, FaultKind::RestartDestination),
+            FaultSpec::new(11, FaultPhase::SourcePinned, FaultKind::RestartSource),
+            FaultSpec::new(20, FaultPhase::AfterReservation, FaultKind::ChannelLoss),
+            FaultSpec::new(30, FaultPhase::AfterBookingBeforeReservation, FaultKind::Cancel),
+            FaultSpec::new(40, FaultPhase::SourcePinned, FaultKind::DuplicateMessage),
+            FaultSpec::new(41, FaultPhase::DuringTransfer, FaultKind::LateMessage),
         ];
         let out = dir.path().join(format!("{backend:?}"));
         let outcome = run(config(backend, 2, 2, plan), &text, &out).unwrap();
@@ -605,7 +610,7 @@ fn several_faults_in_a_busy_cluster_unwind_everything_exactly_once() {
 fn the_same_fault_plan_gives_byte_identical_logs() {
     let dir = tempfile::tempdir().unwrap();
     for backend in backends() {
-        let plan = vec![FaultSpec { request: FAULTED, phase: FaultPhase::DuringTransfer, kind: FaultKind::RestartSource }];
+        let plan = vec![FaultSpec::new(FAULTED, FaultPhase::DuringTransfer, FaultKind::RestartSource)];
         let mut logs = Vec::new();
         for n in 0..2 {
             let out = dir.path().join(format!("{backend:?}-{n}"));
@@ -619,5 +624,43 @@ fn the_same_fault_plan_gives_byte_identical_logs() {
             logs.push(files);
         }
         assert!(logs[0] == logs[1], "{}: logs differ", policy_of(backend));
+    }
+}
+
+/// The stranding cascade (committed fixture) with faults 5 s into the long wait for decode
+/// capacity: vLLM's sources sit pinned while their reservations wait in the decode FIFO; SGLang's
+/// reservations wait there before any prefill. The fault must reach into the FIFO: the queued
+/// reservation leaves it without ever reserving, and a pinned source is released.
+#[test]
+fn faults_during_a_long_wait_for_decode_capacity_leave_the_fifo_and_free_the_pin() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let cfg = ReplayConfig::from_file(&root.join("fixtures/configs/cascade-faults.json")).unwrap();
+    let text = std::fs::read_to_string(root.join("fixtures/traces/cascade.jsonl")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for backend in backends() {
+        let ctx = policy_of(backend);
+        let out = dir.path().join(format!("{backend:?}"));
+        let outcome = run(ReplayConfig { backend, ..cfg.clone() }, &text, &out).unwrap();
+        let recs = records(&out);
+        check_conservation(ctx, &out, &recs, &outcome);
+        let statuses = router_status(&recs);
+        for (f, want) in outcome.faults.iter().zip([TerminalStatus::Canceled, TerminalStatus::Failed, TerminalStatus::Failed]) {
+            let ctx = format!("{ctx} {}", f.spec);
+            let fired_at = f.fired_at_ns.unwrap_or_else(|| panic!("{ctx}: not fired: {f}"));
+            let h = f.handoff.unwrap();
+            let on = |name: &str, pred: &dyn Fn(u64) -> bool| {
+                recs.iter().any(|(_, at, x)| x.handoff() == Some(h) && x.name() == name && pred(*at))
+            };
+            assert!(on("ReservationQueued", &|at| at < fired_at), "{ctx}: waiting in the FIFO at the fault");
+            assert!(on("ReservationDequeued", &|at| at >= fired_at), "{ctx}: left the FIFO");
+            assert!(!on("DestinationReserved", &|_| true), "{ctx}: never reserved");
+            if backend == Backend::Vllm {
+                assert!(on("SourcePinned", &|at| at + 5_000_000_000 <= fired_at), "{ctx}: pinned while waiting");
+                assert!(on("SourceReleased", &|at| at >= fired_at), "{ctx}: the pin is freed after the fault (between steps)");
+            } else {
+                assert!(!on("PrefillDispatched", &|_| true), "{ctx}: no prefill without a reservation");
+            }
+            assert_eq!(statuses[&f.spec.request_id()], want, "{ctx}");
+        }
     }
 }

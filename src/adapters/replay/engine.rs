@@ -107,6 +107,8 @@ enum Ev {
     BootstrapTimer {
         request: RequestId,
     },
+    /// A delayed fault's time: only makes an event boundary, where the fault is checked.
+    FaultTimer,
 }
 
 /// One transition's actions as events, in order. A message that follows a core command in the
@@ -525,6 +527,7 @@ impl<'a> Replay<'a> {
             }
             Ev::RenewTimer { slot, handoff } => self.on_renew(slot, handoff)?,
             Ev::BootstrapTimer { request } => self.on_bootstrap_timeout(request)?,
+            Ev::FaultTimer => {}
         }
         if self.faults.active() {
             self.fault_boundary()?;
@@ -1312,7 +1315,7 @@ impl Replay<'_> {
         let arrived: Vec<RequestId> =
             self.faults.armed.range(..RequestId(self.arrivals)).map(|(r, _)| *r).collect();
         for r in arrived {
-            let Some(pending) = self.faults.armed.get(&r) else {
+            let Some(pending) = self.faults.armed.get(&r).cloned() else {
                 continue;
             };
             let (h, p, d) = match self.guards.get(&r) {
@@ -1326,11 +1329,29 @@ impl Replay<'_> {
             };
             let s_state = p.and_then(|p| self.slots[p].sources.get(&h)).map(|m| m.state_name());
             let d_state = d.and_then(|d| self.slots[d].destinations.get(&h)).map(|m| m.state_name());
-            let (due, rest): (Vec<usize>, Vec<usize>) = pending
-                .iter()
-                .partition(|i| self.faults.reports[**i].spec.phase.holds(s_state, d_state, d.is_some()));
-            if due.is_empty() {
-                continue;
+            let mut due = Vec::new();
+            let mut rest = Vec::new();
+            for &i in &pending {
+                let spec = self.faults.reports[i].spec;
+                let holds = spec.phase.holds(s_state, d_state, d.is_some());
+                match (holds, self.faults.due_ns.get(&i).copied()) {
+                    (true, None) if spec.delay_ms == 0 => due.push(i),
+                    (true, None) => {
+                        let at = now.saturating_add(spec.delay_ms.saturating_mul(NS_PER_MS));
+                        self.faults.due_ns.insert(i, at);
+                        self.push(at, Ev::FaultTimer);
+                        rest.push(i);
+                    }
+                    (true, Some(at)) if now >= at => due.push(i),
+                    (true, Some(_)) | (false, None) => rest.push(i),
+                    (false, Some(_)) => {
+                        let text = "the handoff left the phase before the delay elapsed".to_string();
+                        self.faults.note(i, text);
+                    }
+                }
+            }
+            if due.is_empty() && rest.len() == pending.len() {
+                continue; // nothing changed
             }
             if rest.is_empty() {
                 self.faults.armed.remove(&r);

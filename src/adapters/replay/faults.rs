@@ -191,11 +191,31 @@ pub struct FaultSpec {
     pub request: u64,
     pub phase: FaultPhase,
     pub kind: FaultKind,
+    /// Fire this long after the phase is first reached (0: at once), if the handoff is still in
+    /// it then; otherwise the fault is reported as not fired. Reaches into long windows, e.g. a
+    /// source-first pin waiting for a full decode worker to free capacity.
+    #[serde(default)]
+    pub delay_ms: u64,
+}
+
+impl FaultSpec {
+    /// A fault that fires as soon as `phase` is reached.
+    pub fn new(request: u64, phase: FaultPhase, kind: FaultKind) -> Self {
+        FaultSpec { request, phase, kind, delay_ms: 0 }
+    }
+
+    pub fn request_id(&self) -> RequestId {
+        RequestId(self.request)
+    }
 }
 
 impl std::fmt::Display for FaultSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "request {} at {}: {}", self.request, self.phase, self.kind)
+        write!(f, "request {} at {}", self.request, self.phase)?;
+        if self.delay_ms > 0 {
+            write!(f, " + {} ms", self.delay_ms)?;
+        }
+        write!(f, ": {}", self.kind)
     }
 }
 
@@ -281,6 +301,8 @@ pub(crate) struct FaultState {
     pub reports: Vec<FaultReport>,
     /// Faults not yet fired, by request.
     pub armed: BTreeMap<RequestId, Vec<usize>>,
+    /// Delayed faults whose phase was reached: when they fire.
+    pub due_ns: BTreeMap<usize, u64>,
     /// Handoffs whose channel was lost: deliveries for them are dropped.
     pub lost_channels: BTreeSet<HandoffId>,
     /// Handoffs whose next delivery is doubled, with the fault that asked.
@@ -362,7 +384,7 @@ mod tests {
 
     #[test]
     fn destination_first_has_no_phase_before_decode_routing() {
-        let plan = [FaultSpec { request: 0, phase: FaultPhase::BeforeDecodeRouting, kind: FaultKind::Cancel }];
+        let plan = [FaultSpec::new(0, FaultPhase::BeforeDecodeRouting, FaultKind::Cancel)];
         let e = validate(&plan, HandoffPolicy::DestinationFirst).unwrap_err();
         assert!(e.contains("before-decode-routing") && e.contains("destination-first"), "{e}");
         assert!(validate(&plan, HandoffPolicy::SourceFirst).is_ok());
