@@ -8,7 +8,9 @@ use handoff_ledger::adapters::replay::engine::{Replay, ReplayError, ReplayOutcom
 use handoff_ledger::adapters::replay::faults::{FaultKind, FaultPhase, FaultSpec};
 use handoff_ledger::adapters::replay::trace::{TraceOptions, TraceReader};
 use handoff_ledger::events::{Fact, MessageKind, MessageRejection, RunReader, TerminalStatus};
-use handoff_ledger::ids::{Backend, CancelReason, EndReason, Generation, HandoffId, RequestId, Role, WorkerId};
+use handoff_ledger::ids::{
+    Backend, CancelReason, EndReason, Generation, HandoffId, RequestId, Role, WorkerId,
+};
 use handoff_ledger::projections::run::{project_capacity, project_scheduler};
 use std::collections::BTreeMap;
 use std::io::{BufRead, Cursor};
@@ -31,7 +33,13 @@ fn trace(text: &str) -> TraceReader<Box<dyn BufRead>> {
 }
 
 fn config(backend: Backend, prefill: u32, decode: u32, faults: Vec<FaultSpec>) -> ReplayConfig {
-    ReplayConfig { backend, prefill_workers: prefill, decode_workers: decode, faults, ..ReplayConfig::default() }
+    ReplayConfig {
+        backend,
+        prefill_workers: prefill,
+        decode_workers: decode,
+        faults,
+        ..ReplayConfig::default()
+    }
 }
 
 fn run(cfg: ReplayConfig, text: &str, out: &Path) -> Result<ReplayOutcome, ReplayError> {
@@ -75,7 +83,8 @@ fn expected_status(phase: FaultPhase, kind: FaultKind) -> TerminalStatus {
 fn check_conservation(ctx: &str, out: &Path, recs: &[Rec], outcome: &ReplayOutcome) {
     assert!(outcome.drained, "{ctx}: run did not drain: {:?}", outcome.stuck);
     let mut r = RunReader::open(out).unwrap();
-    let rows = project_capacity(&mut r).unwrap_or_else(|e| panic!("{ctx}: capacity fold refused the log: {e}"));
+    let rows =
+        project_capacity(&mut r).unwrap_or_else(|e| panic!("{ctx}: capacity fold refused the log: {e}"));
     for row in rows {
         let s = row.last;
         assert_eq!(
@@ -89,7 +98,8 @@ fn check_conservation(ctx: &str, out: &Path, recs: &[Rec], outcome: &ReplayOutco
     }
     // The scheduler-view fold agrees with every stream and ends with empty queues.
     let mut r = RunReader::open(out).unwrap();
-    let views = project_scheduler(&mut r).unwrap_or_else(|e| panic!("{ctx}: scheduler fold refused the log: {e}"));
+    let views =
+        project_scheduler(&mut r).unwrap_or_else(|e| panic!("{ctx}: scheduler fold refused the log: {e}"));
     for (w, v) in views {
         assert_eq!(v, Default::default(), "{ctx}: {w} ends with queued work");
     }
@@ -112,7 +122,7 @@ fn check_conservation(ctx: &str, out: &Path, recs: &[Rec], outcome: &ReplayOutco
     for ((h, what), n) in &count {
         assert_eq!(*n, 1, "{ctx}: handoff {h}: {what} {n} times");
     }
-    for ((h, what), _) in &count {
+    for (h, what) in count.keys() {
         let ends = match *what {
             "pinned" => "pin-released",
             "reserved" => "reservation-ended",
@@ -127,9 +137,13 @@ fn check_conservation(ctx: &str, out: &Path, recs: &[Rec], outcome: &ReplayOutco
     for (w, _, f) in recs {
         match f {
             Fact::PrefillBooked { request, .. } => bookings.entry((*request, "prefill")).or_default().0 += 1,
-            Fact::PrefillBookingFreed { request, .. } => bookings.entry((*request, "prefill")).or_default().1 += 1,
+            Fact::PrefillBookingFreed { request, .. } => {
+                bookings.entry((*request, "prefill")).or_default().1 += 1
+            }
             Fact::DecodeBooked { request, .. } => bookings.entry((*request, "decode")).or_default().0 += 1,
-            Fact::DecodeBookingFreed { request, .. } => bookings.entry((*request, "decode")).or_default().1 += 1,
+            Fact::DecodeBookingFreed { request, .. } => {
+                bookings.entry((*request, "decode")).or_default().1 += 1
+            }
             Fact::RequestArrived { .. } => arrived += 1,
             Fact::RequestFinished { request, status, .. } if w.role == Role::Router => {
                 finished.entry(*request).or_default().push(*status)
@@ -149,7 +163,9 @@ fn check_conservation(ctx: &str, out: &Path, recs: &[Rec], outcome: &ReplayOutco
 fn router_status(recs: &[Rec]) -> BTreeMap<RequestId, TerminalStatus> {
     recs.iter()
         .filter_map(|(w, _, f)| match f {
-            Fact::RequestFinished { request, status, .. } if w.role == Role::Router => Some((*request, *status)),
+            Fact::RequestFinished { request, status, .. } if w.role == Role::Router => {
+                Some((*request, *status))
+            }
             _ => None,
         })
         .collect()
@@ -252,7 +268,10 @@ fn case(backend: Backend, phase: FaultPhase, kind: FaultKind, dir: &Path) {
             }
             // Something the peers sent each other (at least the Aborts of their local cancels)
             // never arrived: the channel was really gone.
-            let sent = recs.iter().filter(|(_, _, f)| matches!(f, Fact::MessageSent { handoff, .. } if *handoff == h)).count();
+            let sent = recs
+                .iter()
+                .filter(|(_, _, f)| matches!(f, Fact::MessageSent { handoff, .. } if *handoff == h))
+                .count();
             let arrived = recs
                 .iter()
                 .filter(|(_, _, f)| {
@@ -278,7 +297,11 @@ fn case(backend: Backend, phase: FaultPhase, kind: FaultKind, dir: &Path) {
             assert_eq!(sessions, vec![(0, Generation(1)), (fired_at, Generation(2))], "{ctx}: {restarted}");
             assert_eq!(canceled.get(&restarted), Some(&vec![CancelReason::OwnerLost]), "{ctx}: {restarted}");
             if let Some(p) = peer {
-                let expect = if activated && p.role == Role::Decode { None } else { Some(vec![CancelReason::PeerLost]) };
+                let expect = if activated && p.role == Role::Decode {
+                    None
+                } else {
+                    Some(vec![CancelReason::PeerLost])
+                };
                 assert_eq!(canceled.get(&p).cloned(), expect, "{ctx}: peer {p}");
             }
             // Generation isolation: nothing the old session sent is applied after the restart,
@@ -328,7 +351,9 @@ fn case(backend: Backend, phase: FaultPhase, kind: FaultKind, dir: &Path) {
             let late_at = recs
                 .iter()
                 .find_map(|(_, at, f)| match f {
-                    Fact::MessageRejected { handoff, why: MessageRejection::UnknownHandoff, .. } if *handoff == h => {
+                    Fact::MessageRejected { handoff, why: MessageRejection::UnknownHandoff, .. }
+                        if *handoff == h =>
+                    {
                         Some(*at)
                     }
                     _ => None,
@@ -356,7 +381,10 @@ fn case(backend: Backend, phase: FaultPhase, kind: FaultKind, dir: &Path) {
             }
         }
     }
-    if matches!(kind, FaultKind::Cancel | FaultKind::ChannelLoss | FaultKind::RestartSource | FaultKind::RestartDestination) {
+    if matches!(
+        kind,
+        FaultKind::Cancel | FaultKind::ChannelLoss | FaultKind::RestartSource | FaultKind::RestartDestination
+    ) {
         check_phase_in_log(&ctx, &recs, h, phase, backend);
     }
     // No role ever ends the handoff twice, whatever the fault.
@@ -364,12 +392,15 @@ fn case(backend: Backend, phase: FaultPhase, kind: FaultKind, dir: &Path) {
         assert_eq!(c.len(), 1, "{ctx}: {w} canceled {c:?}");
     }
     // The source always ends: on success, or canceled (with its pin released once if it had one).
-    let source_ended = canceled.contains_key(&source)
-        || recs.iter().any(|(w, _, f)| {
-            *w == source && matches!(f, Fact::SourceReleased { handoff, reason: EndReason::Success, .. } if *handoff == h)
-        });
+    let source_ended = canceled.contains_key(&source) || recs.iter().any(|(w, _, f)| {
+        *w == source
+            && matches!(f, Fact::SourceReleased { handoff, reason: EndReason::Success, .. } if *handoff == h)
+    });
     assert!(source_ended, "{ctx}: the source never ended the handoff");
 }
+
+/// Milestone predicates on one role's facts.
+type Preds<'a> = Vec<&'a dyn Fn(&Fact) -> bool>;
 
 /// Where the fault hit, read back from the logs: on each role's own stream, which milestones
 /// of the handoff came before that role's cancellation. (Streams merge by time, so order across
@@ -386,7 +417,8 @@ fn check_phase_in_log(ctx: &str, recs: &[Rec], h: HandoffId, phase: FaultPhase, 
     let got_reserved =
         |f: &Fact| matches!(f, Fact::MessageReceived { kind: MessageKind::DestinationReserved, .. });
     let got_ready = |f: &Fact| matches!(f, Fact::MessageReceived { kind: MessageKind::SourceReady, .. });
-    let got_received = |f: &Fact| matches!(f, Fact::MessageReceived { kind: MessageKind::ReceiveCompleted, .. });
+    let got_received =
+        |f: &Fact| matches!(f, Fact::MessageReceived { kind: MessageKind::ReceiveCompleted, .. });
     let sent_ready = |f: &Fact| matches!(f, Fact::MessageSent { kind: MessageKind::SourceReady, .. });
     let pinned = |f: &Fact| matches!(f, Fact::SourcePinned { .. });
     let dispatched = |f: &Fact| matches!(f, Fact::PrefillDispatched { .. });
@@ -396,7 +428,7 @@ fn check_phase_in_log(ctx: &str, recs: &[Rec], h: HandoffId, phase: FaultPhase, 
     let received = |f: &Fact| matches!(f, Fact::ReceiveCompleted { .. });
     let sf = backend != Backend::Sglang;
     if let Some(end) = cancel_at(Role::Prefill) {
-        let (must, must_not): (Vec<&dyn Fn(&Fact) -> bool>, Vec<&dyn Fn(&Fact) -> bool>) = match phase {
+        let (must, must_not): (Preds, Preds) = match phase {
             FaultPhase::BeforeDecodeRouting => (vec![&dispatched], vec![&pinned]),
             FaultPhase::AfterBookingBeforeReservation if sf => (vec![&pinned], vec![&got_reserved]),
             FaultPhase::AfterBookingBeforeReservation => (vec![], vec![&dispatched]),
@@ -408,14 +440,17 @@ fn check_phase_in_log(ctx: &str, recs: &[Rec], h: HandoffId, phase: FaultPhase, 
             FaultPhase::AfterReceiveBeforeReaderCompletion => (vec![&pinned], vec![&got_received]),
         };
         for (i, p) in must.iter().enumerate() {
-            assert!(before(Role::Prefill, end, *p), "{ctx}: source canceled before milestone #{i} of its phase");
+            assert!(
+                before(Role::Prefill, end, *p),
+                "{ctx}: source canceled before milestone #{i} of its phase"
+            );
         }
         for (i, p) in must_not.iter().enumerate() {
             assert!(!before(Role::Prefill, end, *p), "{ctx}: source canceled after leaving its phase (#{i})");
         }
     }
     if let Some(end) = cancel_at(Role::Decode) {
-        let (must, must_not): (Vec<&dyn Fn(&Fact) -> bool>, Vec<&dyn Fn(&Fact) -> bool>) = match phase {
+        let (must, must_not): (Preds, Preds) = match phase {
             FaultPhase::BeforeDecodeRouting => (vec![], vec![&routed]),
             FaultPhase::AfterBookingBeforeReservation => (vec![&routed], vec![&reserved]),
             FaultPhase::AfterReservation => (vec![&reserved], vec![&got_ready]),
@@ -424,10 +459,16 @@ fn check_phase_in_log(ctx: &str, recs: &[Rec], h: HandoffId, phase: FaultPhase, 
             FaultPhase::AfterReceiveBeforeReaderCompletion => (vec![&received], vec![]),
         };
         for (i, p) in must.iter().enumerate() {
-            assert!(before(Role::Decode, end, *p), "{ctx}: destination canceled before milestone #{i} of its phase");
+            assert!(
+                before(Role::Decode, end, *p),
+                "{ctx}: destination canceled before milestone #{i} of its phase"
+            );
         }
         for (i, p) in must_not.iter().enumerate() {
-            assert!(!before(Role::Decode, end, *p), "{ctx}: destination canceled after leaving its phase (#{i})");
+            assert!(
+                !before(Role::Decode, end, *p),
+                "{ctx}: destination canceled after leaving its phase (#{i})"
+            );
         }
     }
 }
@@ -463,7 +504,12 @@ fn every_fault_at_every_phase_unwinds_on_both_backends() {
 fn a_phase_that_does_not_exist_or_a_kind_that_cannot_apply_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let bad = [
-        (Backend::Sglang, FaultPhase::BeforeDecodeRouting, FaultKind::Cancel, "does not exist under destination-first"),
+        (
+            Backend::Sglang,
+            FaultPhase::BeforeDecodeRouting,
+            FaultKind::Cancel,
+            "does not exist under destination-first",
+        ),
         (Backend::Vllm, FaultPhase::BeforeDecodeRouting, FaultKind::ChannelLoss, "no channel exists"),
         (Backend::Vllm, FaultPhase::BeforeDecodeRouting, FaultKind::RestartDestination, "no destination"),
     ];
@@ -476,7 +522,8 @@ fn a_phase_that_does_not_exist_or_a_kind_that_cannot_apply_is_refused() {
         assert!(e.to_string().contains(want), "{backend:?} {phase} {kind}: {e}");
     }
     // Aggregated serving has no handoffs to fault.
-    let mut agg = config(Backend::Vllm, 0, 0, vec![FaultSpec::new(0, FaultPhase::DuringTransfer, FaultKind::Cancel)]);
+    let mut agg =
+        config(Backend::Vllm, 0, 0, vec![FaultSpec::new(0, FaultPhase::DuringTransfer, FaultKind::Cancel)]);
     agg.workers = 2;
     assert!(agg.validate().is_err());
 }
@@ -485,9 +532,18 @@ fn a_phase_that_does_not_exist_or_a_kind_that_cannot_apply_is_refused() {
 fn an_unknown_phase_or_kind_in_the_config_file_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     for (text, want) in [
-        (r#"{"faults": [{"request": 1, "phase": "mid-flight", "kind": "cancel"}]}"#, "unknown variant `mid-flight`"),
-        (r#"{"faults": [{"request": 1, "phase": "during-transfer", "kind": "explode"}]}"#, "unknown variant `explode`"),
-        (r#"{"faults": [{"request": 1, "phase": "during-transfer", "kind": "cancel", "when": 3}]}"#, "unknown field `when`"),
+        (
+            r#"{"faults": [{"request": 1, "phase": "mid-flight", "kind": "cancel"}]}"#,
+            "unknown variant `mid-flight`",
+        ),
+        (
+            r#"{"faults": [{"request": 1, "phase": "during-transfer", "kind": "explode"}]}"#,
+            "unknown variant `explode`",
+        ),
+        (
+            r#"{"faults": [{"request": 1, "phase": "during-transfer", "kind": "cancel", "when": 3}]}"#,
+            "unknown field `when`",
+        ),
     ] {
         let p = dir.path().join("c.json");
         std::fs::write(&p, text).unwrap();
@@ -525,7 +581,11 @@ fn a_fault_whose_phase_is_never_reached_is_reported_not_ignored() {
         assert!(!f[2].fired() && f[2].notes.iter().any(|n| n.contains("ended before")), "{ctx}: {}", f[2]);
         assert!(!f[3].fired() && f[3].notes.iter().any(|n| n.contains("left the phase")), "{ctx}: {}", f[3]);
         let status = router_status(&records(&out));
-        assert_eq!(status[&RequestId(2)], TerminalStatus::Completed, "{ctx}: an unfired fault changes nothing");
+        assert_eq!(
+            status[&RequestId(2)],
+            TerminalStatus::Completed,
+            "{ctx}: an unfired fault changes nothing"
+        );
         let recs = records(&out);
         check_conservation(ctx, &out, &recs, &outcome);
     }
@@ -547,18 +607,22 @@ fn stale_generation_messages_in_flight_at_a_restart_are_rejected() {
         let stale: Vec<MessageKind> = recs
             .iter()
             .filter_map(|(w, _, f)| match f {
-                Fact::MessageRejected { handoff, kind, generation: Generation(1), why: MessageRejection::StaleGeneration, .. }
-                    if *handoff == h && w.role == Role::Prefill =>
-                {
-                    Some(*kind)
-                }
+                Fact::MessageRejected {
+                    handoff,
+                    kind,
+                    generation: Generation(1),
+                    why: MessageRejection::StaleGeneration,
+                    ..
+                } if *handoff == h && w.role == Role::Prefill => Some(*kind),
                 _ => None,
             })
             .collect();
         assert!(stale.contains(&MessageKind::DestinationReserved), "{ctx}: {stale:?}");
         // Under destination-first that message was the prefill's gate: no prefill ran for it.
         if backend == Backend::Sglang {
-            let dispatched = recs.iter().any(|(_, _, f)| matches!(f, Fact::PrefillDispatched { handoff } if *handoff == h));
+            let dispatched = recs
+                .iter()
+                .any(|(_, _, f)| matches!(f, Fact::PrefillDispatched { handoff } if *handoff == h));
             assert!(!dispatched, "{ctx}: a stale reservation message dispatched a prefill");
         }
     }
@@ -569,7 +633,10 @@ fn stale_generation_messages_in_flight_at_a_restart_are_rejected() {
 /// the faulted one, and everything still unwinds exactly once.
 #[test]
 fn several_faults_in_a_busy_cluster_unwind_everything_exactly_once() {
-    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/traces/mooncake-200.jsonl")).unwrap();
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/traces/mooncake-200.jsonl"),
+    )
+    .unwrap();
     let text: String = text.lines().take(60).map(|l| format!("{l}\n")).collect();
     let dir = tempfile::tempdir().unwrap();
     for backend in backends() {
@@ -595,7 +662,10 @@ fn several_faults_in_a_busy_cluster_unwind_everything_exactly_once() {
             .iter()
             .filter(|(_, _, f)| matches!(f, Fact::HandoffCanceled { reason: CancelReason::OwnerLost, .. }))
             .count();
-        assert!(restart_victims > 2, "{ctx}: a busy worker's restart ends several handoffs ({restart_victims})");
+        assert!(
+            restart_victims > 2,
+            "{ctx}: a busy worker's restart ends several handoffs ({restart_victims})"
+        );
         assert_eq!(statuses[&RequestId(30)], TerminalStatus::Canceled, "{ctx}");
         assert_eq!(statuses[&RequestId(20)], TerminalStatus::Failed, "{ctx}");
         for r in [40, 41] {
@@ -644,7 +714,11 @@ fn faults_during_a_long_wait_for_decode_capacity_leave_the_fifo_and_free_the_pin
         let recs = records(&out);
         check_conservation(ctx, &out, &recs, &outcome);
         let statuses = router_status(&recs);
-        for (f, want) in outcome.faults.iter().zip([TerminalStatus::Canceled, TerminalStatus::Failed, TerminalStatus::Failed]) {
+        for (f, want) in outcome.faults.iter().zip([
+            TerminalStatus::Canceled,
+            TerminalStatus::Failed,
+            TerminalStatus::Failed,
+        ]) {
             let ctx = format!("{ctx} {}", f.spec);
             let fired_at = f.fired_at_ns.unwrap_or_else(|| panic!("{ctx}: not fired: {f}"));
             let h = f.handoff.unwrap();
@@ -655,8 +729,14 @@ fn faults_during_a_long_wait_for_decode_capacity_leave_the_fifo_and_free_the_pin
             assert!(on("ReservationDequeued", &|at| at >= fired_at), "{ctx}: left the FIFO");
             assert!(!on("DestinationReserved", &|_| true), "{ctx}: never reserved");
             if backend == Backend::Vllm {
-                assert!(on("SourcePinned", &|at| at + 5_000_000_000 <= fired_at), "{ctx}: pinned while waiting");
-                assert!(on("SourceReleased", &|at| at >= fired_at), "{ctx}: the pin is freed after the fault (between steps)");
+                assert!(
+                    on("SourcePinned", &|at| at + 5_000_000_000 <= fired_at),
+                    "{ctx}: pinned while waiting"
+                );
+                assert!(
+                    on("SourceReleased", &|at| at >= fired_at),
+                    "{ctx}: the pin is freed after the fault (between steps)"
+                );
             } else {
                 assert!(!on("PrefillDispatched", &|_| true), "{ctx}: no prefill without a reservation");
             }

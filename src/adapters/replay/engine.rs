@@ -1397,7 +1397,11 @@ impl Replay<'_> {
                     told.push(self.slots[p].id.to_string());
                 }
                 if let Some(d) = d.filter(|d| self.fault_live_destination(*d, h)) {
-                    self.destination_event(d, h, DestinationEvent::Cancelled { reason: CancelReason::PeerLost })?;
+                    self.destination_event(
+                        d,
+                        h,
+                        DestinationEvent::Cancelled { reason: CancelReason::PeerLost },
+                    )?;
                     told.push(self.slots[d].id.to_string());
                 }
                 self.fault_flush()?;

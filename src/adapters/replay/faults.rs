@@ -92,9 +92,7 @@ impl FaultPhase {
             FaultPhase::BeforeDecodeRouting => {
                 !decode_routed && destination.is_none() && matches!(source, Some("NotStarted" | "Computing"))
             }
-            FaultPhase::AfterBookingBeforeReservation => {
-                destination == Some("Reserving") && source.is_some()
-            }
+            FaultPhase::AfterBookingBeforeReservation => destination == Some("Reserving") && source.is_some(),
             FaultPhase::AfterReservation => {
                 destination == Some("Reserved")
                     && matches!(source, Some(s) if s != "AwaitingReaderCompletion")
@@ -369,7 +367,8 @@ mod tests {
 
     #[test]
     fn phases_are_disjoint_predicates() {
-        let sources = [None, Some("NotStarted"), Some("Computing"), Some("Pinned"), Some("AwaitingReaderCompletion")];
+        let sources =
+            [None, Some("NotStarted"), Some("Computing"), Some("Pinned"), Some("AwaitingReaderCompletion")];
         let dests =
             [None, Some("NotRouted"), Some("Reserving"), Some("Reserved"), Some("Receiving"), Some("Active")];
         for s in sources {
