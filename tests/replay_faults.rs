@@ -744,3 +744,69 @@ fn faults_during_a_long_wait_for_decode_capacity_leave_the_fifo_and_free_the_pin
         }
     }
 }
+
+/// Source-first, `before-decode-routing` 20 ms in: the prefill step is running on the core
+/// (it takes about 40 ms). The cancel is a command, applied between steps: the step in flight
+/// completes and pins, and the pin is released at once. No decode is ever routed for it.
+#[test]
+fn a_prefill_canceled_while_it_computes_releases_its_pin_and_never_routes_a_decode() {
+    let dir = tempfile::tempdir().unwrap();
+    for kind in [FaultKind::Cancel, FaultKind::RestartSource] {
+        let ctx = format!("[vllm source-first | before-decode-routing + 20 ms | {kind}]");
+        let out = dir.path().join(kind.as_str());
+        let spec =
+            FaultSpec { delay_ms: 20, ..FaultSpec::new(FAULTED, FaultPhase::BeforeDecodeRouting, kind) };
+        let outcome = run(config(Backend::Vllm, 1, 1, vec![spec]), SPACED, &out).unwrap();
+        let recs = records(&out);
+        check_conservation(&ctx, &out, &recs, &outcome);
+        let fired_at =
+            outcome.faults[0].fired_at_ns.unwrap_or_else(|| panic!("{ctx}: {}", outcome.faults[0]));
+        let req = RequestId(FAULTED);
+        let h = handoff_of(&recs, req);
+        let at_of = |pred: &dyn Fn(&Fact) -> bool| {
+            recs.iter().find(|(w, _, f)| w.role == Role::Prefill && pred(f)).map(|(_, at, _)| *at)
+        };
+        let pinned = at_of(&|f| matches!(f, Fact::SourcePinned { handoff, .. } if *handoff == h));
+        let released = at_of(
+            &|f| matches!(f, Fact::SourceReleased { handoff, reason: EndReason::Canceled(_), .. } if *handoff == h),
+        );
+        let pinned = pinned.unwrap_or_else(|| panic!("{ctx}: the step in flight pins"));
+        assert!(pinned > fired_at, "{ctx}: the fault hit the prefill while it computed");
+        assert_eq!(released, Some(pinned), "{ctx}: the raced pin is released at once");
+        let decode_booked =
+            recs.iter().any(|(_, _, f)| matches!(f, Fact::DecodeBooked { request, .. } if *request == req));
+        assert!(!decode_booked, "{ctx}: no decode is routed for a canceled prefill");
+        let want = if kind == FaultKind::Cancel { TerminalStatus::Canceled } else { TerminalStatus::Failed };
+        assert_eq!(router_status(&recs)[&req], want, "{ctx}");
+    }
+}
+
+/// KNOWN ISSUE (engine, predates fault injection): when a request ends while its prefill still
+/// computes, `Replay::terminal` frees the prefill booking at once, although the core goes on to
+/// hold the prefill's KV (and pins it) until the cancel is applied between steps. The proposal's
+/// accounting table frees the prefill booking at source release. The same happens without any
+/// fault: SGLang's reservation expiry on `cascade.jsonl` + `cascade-short-reservation.json` frees
+/// 30 of 240 prefill bookings before their source is pinned. Run with `--ignored`.
+#[test]
+#[ignore = "known engine issue: prefill booking freed before a computing prefill's source is released"]
+fn a_prefill_booking_lives_until_a_canceled_computing_prefill_is_released() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let spec = FaultSpec {
+        delay_ms: 20,
+        ..FaultSpec::new(FAULTED, FaultPhase::BeforeDecodeRouting, FaultKind::Cancel)
+    };
+    run(config(Backend::Vllm, 1, 1, vec![spec]), SPACED, &out).unwrap();
+    let recs = records(&out);
+    let req = RequestId(FAULTED);
+    let h = handoff_of(&recs, req);
+    let freed = recs.iter().find_map(|(_, at, f)| match f {
+        Fact::PrefillBookingFreed { request, .. } if *request == req => Some(*at),
+        _ => None,
+    });
+    let released = recs.iter().find_map(|(_, at, f)| match f {
+        Fact::SourceReleased { handoff, .. } if *handoff == h => Some(*at),
+        _ => None,
+    });
+    assert_eq!(freed, released, "the prefill booking is freed when the source is released");
+}
