@@ -154,6 +154,31 @@ fn check_conservation(ctx: &str, out: &Path, recs: &[Rec], outcome: &ReplayOutco
     for ((r, what), (booked, freed)) in &bookings {
         assert_eq!((*booked, *freed), (1, 1), "{ctx}: {r} {what} booking made {booked}, freed {freed} times");
     }
+    // The prefill booking lives exactly as long as the source: freed when its pin is released.
+    let mut request_of: BTreeMap<HandoffId, RequestId> = BTreeMap::new();
+    let mut pin_released: BTreeMap<RequestId, u64> = BTreeMap::new();
+    let mut prefill_freed: BTreeMap<RequestId, u64> = BTreeMap::new();
+    for (_, at, f) in recs {
+        match f {
+            Fact::HandoffStarted { handoff, request, .. } => {
+                request_of.insert(*handoff, *request);
+            }
+            Fact::SourceReleased { handoff, .. } => {
+                pin_released.insert(request_of[handoff], *at);
+            }
+            Fact::PrefillBookingFreed { request, .. } => {
+                prefill_freed.insert(*request, *at);
+            }
+            _ => {}
+        }
+    }
+    for (r, at) in &pin_released {
+        assert_eq!(
+            prefill_freed.get(r),
+            Some(at),
+            "{ctx}: {r}: prefill booking freed at the source's release"
+        );
+    }
     assert_eq!(finished.len(), arrived, "{ctx}: every arrived request reaches a terminal outcome");
     for (r, s) in &finished {
         assert_eq!(s.len(), 1, "{ctx}: {r} ended {} times: {s:?}", s.len());
@@ -781,14 +806,13 @@ fn a_prefill_canceled_while_it_computes_releases_its_pin_and_never_routes_a_deco
     }
 }
 
-/// KNOWN ISSUE (engine, predates fault injection): when a request ends while its prefill still
-/// computes, `Replay::terminal` frees the prefill booking at once, although the core goes on to
-/// hold the prefill's KV (and pins it) until the cancel is applied between steps. The proposal's
-/// accounting table frees the prefill booking at source release. The same happens without any
-/// fault: SGLang's reservation expiry on `cascade.jsonl` + `cascade-short-reservation.json` frees
-/// 30 of 240 prefill bookings before their source is pinned. Run with `--ignored`.
+/// Found by the test above (fixed in `Replay`): when a request ended while its prefill still
+/// computed, the prefill booking was freed at once, although the core went on to hold the
+/// prefill's KV (and pin it) until the cancel was applied between steps. The proposal's
+/// accounting table frees the prefill booking at source release. (It also happened without
+/// faults: SGLang's reservation expiry on `cascade.jsonl` + `cascade-short-reservation.json` freed
+/// 30 of 240 prefill bookings before their source was even pinned.)
 #[test]
-#[ignore = "known engine issue: prefill booking freed before a computing prefill's source is released"]
 fn a_prefill_booking_lives_until_a_canceled_computing_prefill_is_released() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");

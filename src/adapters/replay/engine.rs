@@ -246,6 +246,9 @@ pub struct Replay<'a> {
     handoff_request: BTreeMap<HandoffId, RequestId>,
     /// Handoffs whose source pin the core has reported and not yet released.
     pinned: std::collections::BTreeSet<HandoffId>,
+    /// Handoff prefills dispatched to the core and neither pinned nor ended there: like a pin,
+    /// they keep the prefill booking (and the frontend's correlation) until the core lets go.
+    computing: std::collections::BTreeSet<HandoffId>,
     transfer: TransferConfig,
     mint: IdMint,
     out: RunWriter,
@@ -357,6 +360,7 @@ impl<'a> Replay<'a> {
             guards: BTreeMap::new(),
             handoff_request: BTreeMap::new(),
             pinned: std::collections::BTreeSet::new(),
+            computing: std::collections::BTreeSet::new(),
             transfer,
             mint,
             out,
@@ -750,6 +754,9 @@ impl<'a> Replay<'a> {
             Cmd::DispatchPrefill { handoff, request, lease_ns } => {
                 let id = request.id;
                 let r = core.submit_handoff_prefill(handoff, request, lease_ns, now);
+                if r.outcome.is_err() {
+                    self.source_left_core(handoff)?; // refused: the core never held it
+                }
                 self.command_result(s, r, Some(handoff), Some(id))
             }
             Cmd::Reserve { handoff, request, deadline_ns } => {
@@ -766,7 +773,10 @@ impl<'a> Replay<'a> {
             }
             Cmd::CancelSource(h, reason) => {
                 let r = core.cancel_source(h, reason, now);
-                self.command_result(s, r, Some(h), None)
+                self.command_result(s, r, Some(h), None)?;
+                // The core no longer computes this prefill (it ended it, or released the pin
+                // the step in flight made).
+                self.source_left_core(h)
             }
             Cmd::CancelDestination(h, reason) => {
                 // The core's cancel names a cause; an expired reservation is canceled as expired.
@@ -779,6 +789,23 @@ impl<'a> Replay<'a> {
                 self.command_result(s, r, Some(h), None)
             }
         }
+    }
+
+    /// A dispatched prefill the core no longer computes (ended or refused; a pin is tracked in
+    /// `pinned` instead): the prefill booking of a request that already ended is freed now.
+    fn source_left_core(&mut self, h: HandoffId) -> Result<(), ReplayError> {
+        if !self.computing.remove(&h) || self.pinned.contains(&h) {
+            return Ok(());
+        }
+        if let Some(req) = self.handoff_request.get(&h).copied() {
+            if !self.guards.contains_key(&req) {
+                if let Some(f) = self.prefill_router.free_prefill(req) {
+                    self.emit_router(self.now_ns, f)?;
+                }
+            }
+        }
+        self.forget_handoff(h);
+        Ok(())
     }
 
     fn command_result(
@@ -869,6 +896,7 @@ impl<'a> Replay<'a> {
                 self.terminal(request, TerminalStatus::Rejected, 0)?;
             }
             EngineOutput::SourcePinned { handoff, request, lease, blocks, deadline_ns } => {
+                self.computing.remove(&handoff); // now a pin (tracked in `pinned`)
                 if let Some(f) = self.prefill_router.prefill_compute_done(request) {
                     self.emit_router(now, f)?;
                 }
@@ -943,6 +971,8 @@ impl<'a> Replay<'a> {
                         continue;
                     };
                     let request = req.request.clone();
+                    // From here the core may compute it: the booking stays (see `computing`).
+                    self.computing.insert(handoff);
                     batch.command(s, Cmd::DispatchPrefill { handoff, request, lease_ns });
                 }
                 // The prefill booking is freed when the core reports the pin's release.
@@ -1062,7 +1092,7 @@ impl<'a> Replay<'a> {
             .slots
             .iter()
             .any(|s| s.sources.contains_key(&handoff) || s.destinations.contains_key(&handoff));
-        if held || self.pinned.contains(&handoff) {
+        if held || self.pinned.contains(&handoff) || self.computing.contains(&handoff) {
             return;
         }
         if let Some(req) = self.handoff_request.get(&handoff) {
@@ -1118,8 +1148,9 @@ impl<'a> Replay<'a> {
         if let Some(f) = self.prefill_router.prefill_compute_done(request) {
             self.emit_router(now, f)?;
         }
-        // A pinned source keeps its prefill booking until it is released.
-        let source_held = g.handoff.is_some_and(|h| self.pinned.contains(&h));
+        // A pinned source keeps its prefill booking until it is released; a prefill the core
+        // still computes keeps it until the core ends or releases it.
+        let source_held = g.handoff.is_some_and(|h| self.pinned.contains(&h) || self.computing.contains(&h));
         if !source_held {
             if let Some(f) = self.prefill_router.free_prefill(request) {
                 self.emit_router(now, f)?;
