@@ -2,6 +2,7 @@
 //! timing and routing. Read from a JSON file (`--config`), with command-line flags on top.
 //! Unknown keys are errors, so a typo never silently falls back to a default.
 
+use crate::adapters::replay::faults::FaultSpec;
 use crate::adapters::replay::transfer::TransferConfig;
 use crate::ids::{Backend, HandoffPolicy};
 use crate::router::RouterMode;
@@ -48,6 +49,8 @@ pub struct ReplayConfig {
     pub arrival_speedup: f64,
     /// Most requests in flight before arrivals are held back (a limit on every queue).
     pub max_in_flight: usize,
+    /// Faults to inject (see `faults`): empty for a fault-free run.
+    pub faults: Vec<FaultSpec>,
 }
 
 impl Default for ReplayConfig {
@@ -74,6 +77,7 @@ impl Default for ReplayConfig {
             bootstrap_timeout_ms: 300_000,
             arrival_speedup: 1.0,
             max_in_flight: 1_000_000,
+            faults: Vec::new(),
         }
     }
 }
@@ -170,6 +174,8 @@ impl ReplayConfig {
         if self.max_in_flight == 0 {
             return bad("max_in_flight must be > 0".into());
         }
+        crate::adapters::replay::faults::validate(&self.faults, self.effective_policy())
+            .map_err(ConfigError::Invalid)?;
         Ok(())
     }
 }

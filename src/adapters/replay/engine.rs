@@ -20,6 +20,7 @@
 //!   replay says which handoffs are stuck, where, and on what they wait.
 
 use crate::adapters::replay::config::{ConfigError, ReplayConfig};
+use crate::adapters::replay::faults::{FaultKind, FaultReport, FaultState, Late};
 use crate::adapters::replay::queue::EventQueue;
 use crate::adapters::replay::sink::FactSink;
 use crate::adapters::replay::trace::{TraceError, TraceReader, TraceRequest};
@@ -107,6 +108,8 @@ enum Ev {
     BootstrapTimer {
         request: RequestId,
     },
+    /// A delayed fault's time: only makes an event boundary, where the fault is checked.
+    FaultTimer,
 }
 
 /// One transition's actions as events, in order. A message that follows a core command in the
@@ -165,6 +168,9 @@ pub struct ReplayOutcome {
     pub stuck: Vec<String>,
     pub events: u64,
     pub virtual_end_ns: u64,
+    /// One entry per planned fault, in plan order: when it fired and what it did, or that its
+    /// phase was never reached.
+    pub faults: Vec<FaultReport>,
 }
 
 /// Progress callback: (requests arrived, virtual time ns).
@@ -183,6 +189,9 @@ pub struct Replay<'a> {
     handoff_request: BTreeMap<HandoffId, RequestId>,
     /// Handoffs whose source pin the core has reported and not yet released.
     pinned: std::collections::BTreeSet<HandoffId>,
+    /// Handoff prefills dispatched to the core and neither pinned nor ended there: like a pin,
+    /// they keep the prefill booking (and the frontend's correlation) until the core lets go.
+    computing: std::collections::BTreeSet<HandoffId>,
     transfer: TransferConfig,
     mint: IdMint,
     /// The run's streams and the metrics fold, behind the writer thread.
@@ -193,6 +202,8 @@ pub struct Replay<'a> {
     held_back: bool,
     block_size: u32,
     progress: Option<Progress<'a>>,
+    /// Fault injection (inert without a fault plan).
+    faults: FaultState,
 }
 
 impl<'a> Replay<'a> {
@@ -292,6 +303,7 @@ impl<'a> Replay<'a> {
             guards: BTreeMap::new(),
             handoff_request: BTreeMap::new(),
             pinned: std::collections::BTreeSet::new(),
+            computing: std::collections::BTreeSet::new(),
             transfer,
             mint,
             sink,
@@ -301,6 +313,7 @@ impl<'a> Replay<'a> {
             held_back: false,
             block_size,
             progress: None,
+            faults: FaultState::new(&cfg.faults),
             cfg,
         };
         for s in 0..r.slots.len() {
@@ -396,12 +409,17 @@ impl<'a> Replay<'a> {
         }
         let stuck = self.diagnose();
         let drained = stuck.is_empty();
+        let faults = self.fault_reports();
         let report = self.sink.finish()?;
-        Ok(ReplayOutcome { report, drained, stuck, events: self.events, virtual_end_ns: self.now_ns })
+        Ok(ReplayOutcome { report, drained, stuck, events: self.events, virtual_end_ns: self.now_ns, faults })
     }
 
     fn handle(&mut self, ev: Ev) -> Result<(), ReplayError> {
         let now = self.now_ns;
+        // Fault injection may drop, reject or double a delivery.
+        if self.faults.active() && self.fault_intercepts(&ev)? {
+            return self.fault_boundary();
+        }
         match ev {
             Ev::Arrival => self.on_arrival()?,
             Ev::StepDone(s) => {
@@ -446,6 +464,10 @@ impl<'a> Replay<'a> {
             }
             Ev::RenewTimer { slot, handoff } => self.on_renew(slot, handoff)?,
             Ev::BootstrapTimer { request } => self.on_bootstrap_timeout(request)?,
+            Ev::FaultTimer => {}
+        }
+        if self.faults.active() {
+            self.fault_boundary()?;
         }
         Ok(())
     }
@@ -665,6 +687,9 @@ impl<'a> Replay<'a> {
             Cmd::DispatchPrefill { handoff, request, lease_ns } => {
                 let id = request.id;
                 let r = core.submit_handoff_prefill(handoff, request, lease_ns, now);
+                if r.outcome.is_err() {
+                    self.source_left_core(handoff)?; // refused: the core never held it
+                }
                 self.command_result(s, r, Some(handoff), Some(id))
             }
             Cmd::Reserve { handoff, request, deadline_ns } => {
@@ -681,7 +706,10 @@ impl<'a> Replay<'a> {
             }
             Cmd::CancelSource(h, reason) => {
                 let r = core.cancel_source(h, reason, now);
-                self.command_result(s, r, Some(h), None)
+                self.command_result(s, r, Some(h), None)?;
+                // The core no longer computes this prefill (it ended it, or released the pin
+                // the step in flight made).
+                self.source_left_core(h)
             }
             Cmd::CancelDestination(h, reason) => {
                 // The core's cancel names a cause; an expired reservation is canceled as expired.
@@ -694,6 +722,23 @@ impl<'a> Replay<'a> {
                 self.command_result(s, r, Some(h), None)
             }
         }
+    }
+
+    /// A dispatched prefill the core no longer computes (ended or refused; a pin is tracked in
+    /// `pinned` instead): the prefill booking of a request that already ended is freed now.
+    fn source_left_core(&mut self, h: HandoffId) -> Result<(), ReplayError> {
+        if !self.computing.remove(&h) || self.pinned.contains(&h) {
+            return Ok(());
+        }
+        if let Some(req) = self.handoff_request.get(&h).copied() {
+            if !self.guards.contains_key(&req) {
+                if let Some(f) = self.prefill_router.free_prefill(req) {
+                    self.emit_router(self.now_ns, f)?;
+                }
+            }
+        }
+        self.forget_handoff(h);
+        Ok(())
     }
 
     fn command_result(
@@ -788,6 +833,7 @@ impl<'a> Replay<'a> {
                 self.terminal(request, TerminalStatus::Rejected, 0)?;
             }
             EngineOutput::SourcePinned { handoff, request, lease, blocks, deadline_ns } => {
+                self.computing.remove(&handoff); // now a pin (tracked in `pinned`)
                 if let Some(f) = self.prefill_router.prefill_compute_done(request) {
                     self.emit_router(now, f)?;
                 }
@@ -862,6 +908,8 @@ impl<'a> Replay<'a> {
                         continue;
                     };
                     let request = req.request.clone();
+                    // From here the core may compute it: the booking stays (see `computing`).
+                    self.computing.insert(handoff);
                     batch.command(s, Cmd::DispatchPrefill { handoff, request, lease_ns });
                 }
                 // The prefill booking is freed when the core reports the pin's release.
@@ -962,6 +1010,9 @@ impl<'a> Replay<'a> {
     /// A role ended its part of the handoff without success: unless decode already runs, the
     /// request ends (rejected if a core refused it, failed otherwise).
     fn fail_unless_activated(&mut self, req: RequestId) -> Result<(), ReplayError> {
+        if self.faults.defer(req) {
+            return Ok(()); // a fault is ending several roles; the outcome follows (fault_flush)
+        }
         let Some(g) = self.guards.get(&req) else {
             return Ok(());
         };
@@ -978,7 +1029,7 @@ impl<'a> Replay<'a> {
             .slots
             .iter()
             .any(|s| s.sources.contains_key(&handoff) || s.destinations.contains_key(&handoff));
-        if held || self.pinned.contains(&handoff) {
+        if held || self.pinned.contains(&handoff) || self.computing.contains(&handoff) {
             return;
         }
         if let Some(req) = self.handoff_request.get(&handoff) {
@@ -1034,8 +1085,9 @@ impl<'a> Replay<'a> {
         if let Some(f) = self.prefill_router.prefill_compute_done(request) {
             self.emit_router(now, f)?;
         }
-        // A pinned source keeps its prefill booking until it is released.
-        let source_held = g.handoff.is_some_and(|h| self.pinned.contains(&h));
+        // A pinned source keeps its prefill booking until it is released; a prefill the core
+        // still computes keeps it until the core ends or releases it.
+        let source_held = g.handoff.is_some_and(|h| self.pinned.contains(&h) || self.computing.contains(&h));
         if !source_held {
             if let Some(f) = self.prefill_router.free_prefill(request) {
                 self.emit_router(now, f)?;
@@ -1155,5 +1207,285 @@ fn header(
         clock: ClockDomain::Virtual,
         seed: cfg.seed,
         engine,
+    }
+}
+
+// ----- fault injection (plan and phases: faults.rs; semantics: docs/faults.md) -----
+
+impl Replay<'_> {
+    /// Applies the fault plan to a delivery: a lost channel drops it, a message from an older
+    /// generation of a restarted sender is rejected as stale, a duplicate is queued behind it,
+    /// a late-message fault keeps a copy. True when the delivery is consumed here.
+    fn fault_intercepts(&mut self, ev: &Ev) -> Result<bool, ReplayError> {
+        let Ev::Deliver { slot, msg } = ev else {
+            return Ok(false);
+        };
+        let (slot, msg) = (*slot, *msg);
+        let h = msg.handoff;
+        if self.faults.lost_channels.contains(&h) {
+            // The transport for this handoff is gone: the receiver never sees the message.
+            tracing::debug!(handoff = %h, kind = ?msg.kind(), "message dropped: channel lost");
+            return Ok(true);
+        }
+        if self.faults.restarted {
+            // The receiver's transport saw the sender's session end (the disconnect that told it
+            // PeerLost), so anything stamped with an older generation is from a dead incarnation.
+            let sender = self.slot_of(msg.from);
+            if self.slots.get(sender).is_some_and(|s| msg.generation < s.generation) {
+                let f = msg.rejected_fact(crate::events::MessageRejection::StaleGeneration);
+                self.emit(slot, self.now_ns, f)?;
+                return Ok(true);
+            }
+        }
+        if let Some(fault) = self.faults.duplicate_next.remove(&h) {
+            let text = format!("{:?} to {} delivered twice", msg.kind(), self.slots[slot].id);
+            self.faults.note(fault, text);
+            self.push(self.now_ns, Ev::Deliver { slot, msg });
+        }
+        if let Some(Late::Armed(fault)) = self.faults.late.get(&h).copied() {
+            self.faults.late.insert(h, Late::Captured { fault, slot, msg });
+        }
+        Ok(false)
+    }
+
+    /// Runs at every event boundary while a plan exists: fires each armed fault whose phase
+    /// holds now, and re-delivers late copies once their handoff is released on both roles.
+    fn fault_boundary(&mut self) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        if !self.faults.late.is_empty() {
+            let ready: Vec<(HandoffId, usize, usize, HandoffMessage)> = self
+                .faults
+                .late
+                .iter()
+                .filter_map(|(h, l)| match l {
+                    Late::Captured { fault, slot, msg } if !self.fault_held(*h) => {
+                        Some((*h, *fault, *slot, *msg))
+                    }
+                    _ => None,
+                })
+                .collect();
+            for (h, fault, slot, msg) in ready {
+                self.faults.late.insert(h, Late::Sent);
+                let text = format!(
+                    "{:?} to {} delivered again at t={:.3} ms, after both roles released the handoff",
+                    msg.kind(),
+                    self.slots[slot].id,
+                    now as f64 / 1e6
+                );
+                self.faults.note(fault, text);
+                self.push(now, Ev::Deliver { slot, msg });
+            }
+        }
+        if self.faults.armed.is_empty() {
+            return Ok(());
+        }
+        // Requests are numbered in arrival order: only those that arrived can be in a phase.
+        let arrived: Vec<RequestId> =
+            self.faults.armed.range(..RequestId(self.arrivals)).map(|(r, _)| *r).collect();
+        for r in arrived {
+            let Some(pending) = self.faults.armed.get(&r).cloned() else {
+                continue;
+            };
+            let (h, p, d) = match self.guards.get(&r) {
+                Some(Guard { handoff: Some(h), prefill, decode, .. }) => (*h, *prefill, *decode),
+                _ => {
+                    for i in self.faults.armed.remove(&r).unwrap_or_default() {
+                        self.faults.note(i, "the request ended before this phase".into());
+                    }
+                    continue;
+                }
+            };
+            let s_state = p.and_then(|p| self.slots[p].sources.get(&h)).map(|m| m.state_name());
+            let d_state = d.and_then(|d| self.slots[d].destinations.get(&h)).map(|m| m.state_name());
+            let mut due = Vec::new();
+            let mut rest = Vec::new();
+            for &i in &pending {
+                let spec = self.faults.reports[i].spec;
+                let holds = spec.phase.holds(s_state, d_state, d.is_some());
+                match (holds, self.faults.due_ns.get(&i).copied()) {
+                    (true, None) if spec.delay_ms == 0 => due.push(i),
+                    (true, None) => {
+                        let at = now.saturating_add(spec.delay_ms.saturating_mul(NS_PER_MS));
+                        self.faults.due_ns.insert(i, at);
+                        self.push(at, Ev::FaultTimer);
+                        rest.push(i);
+                    }
+                    (true, Some(at)) if now >= at => due.push(i),
+                    (true, Some(_)) | (false, None) => rest.push(i),
+                    (false, Some(_)) => {
+                        let text = "the handoff left the phase before the delay elapsed".to_string();
+                        self.faults.note(i, text);
+                    }
+                }
+            }
+            if due.is_empty() && rest.len() == pending.len() {
+                continue; // nothing changed
+            }
+            if rest.is_empty() {
+                self.faults.armed.remove(&r);
+            } else {
+                self.faults.armed.insert(r, rest);
+            }
+            for i in due {
+                self.fire_fault(i, r, h, p, d)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether any role still holds the handoff.
+    fn fault_held(&self, h: HandoffId) -> bool {
+        self.slots.iter().any(|s| s.sources.contains_key(&h) || s.destinations.contains_key(&h))
+    }
+
+    fn fire_fault(
+        &mut self,
+        i: usize,
+        request: RequestId,
+        h: HandoffId,
+        p: Option<usize>,
+        d: Option<usize>,
+    ) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        let spec = self.faults.reports[i].spec;
+        self.faults.reports[i].fired_at_ns = Some(now);
+        self.faults.reports[i].handoff = Some(h);
+        tracing::info!(fault = %spec, handoff = %h, at_ms = now as f64 / 1e6, "fault fired");
+        match spec.kind {
+            FaultKind::Cancel => {
+                // The frontend's abort: the request ends canceled and both roles cancel.
+                self.terminal(request, TerminalStatus::Canceled, 0)?;
+            }
+            FaultKind::ChannelLoss => {
+                self.faults.lost_channels.insert(h);
+                self.faults.deferring = true;
+                let mut told = Vec::new();
+                if let Some(p) = p.filter(|p| self.slots[*p].sources.contains_key(&h)) {
+                    self.source_event(p, h, SourceEvent::Cancelled { reason: CancelReason::PeerLost })?;
+                    told.push(self.slots[p].id.to_string());
+                }
+                if let Some(d) = d.filter(|d| self.fault_live_destination(*d, h)) {
+                    self.destination_event(
+                        d,
+                        h,
+                        DestinationEvent::Cancelled { reason: CancelReason::PeerLost },
+                    )?;
+                    told.push(self.slots[d].id.to_string());
+                }
+                self.fault_flush()?;
+                self.faults.note(i, format!("peer-lost delivered locally to [{}]", told.join(", ")));
+            }
+            FaultKind::RestartSource => match p {
+                Some(p) => self.restart_worker(p, i)?,
+                None => self.faults.note(i, "no source to restart".into()),
+            },
+            FaultKind::RestartDestination => match d {
+                Some(d) => self.restart_worker(d, i)?,
+                None => self.faults.note(i, "no destination to restart".into()),
+            },
+            FaultKind::DuplicateMessage => {
+                self.faults.duplicate_next.insert(h, i);
+            }
+            FaultKind::LateMessage => {
+                self.faults.late.insert(h, Late::Armed(i));
+            }
+        }
+        Ok(())
+    }
+
+    /// A destination role that still holds handoff resources. An activated destination holds
+    /// none (its reservation became ordinary decode KV), so a transport failure towards the
+    /// source does not concern it, as a late source message does not.
+    fn fault_live_destination(&self, d: usize, h: HandoffId) -> bool {
+        self.slots[d].destinations.get(&h).is_some_and(|m| m.state_name() != "Active")
+    }
+
+    /// Ends the deferral a fault opened: each request whose roles it ended now gets its outcome.
+    fn fault_flush(&mut self) -> Result<(), ReplayError> {
+        self.faults.deferring = false;
+        for r in std::mem::take(&mut self.faults.deferred) {
+            self.fail_unless_activated(r)?;
+        }
+        Ok(())
+    }
+
+    /// The worker's session ends and a new one starts: a new generation, every handoff the old
+    /// one held canceled locally (`OwnerLost`, its core frees the resources), each peer told by
+    /// its transport (`PeerLost`) — never by a message from the dead incarnation.
+    fn restart_worker(&mut self, s: usize, fault: usize) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        let generation = Generation(self.slots[s].generation.0.saturating_add(1));
+        self.slots[s].generation = generation;
+        self.faults.restarted = true;
+        self.emit(s, now, Fact::SessionStarted { generation })?;
+        self.faults.deferring = true;
+        let sources: Vec<HandoffId> = self.slots[s].sources.keys().copied().collect();
+        let destinations: Vec<HandoffId> = self.slots[s].destinations.keys().copied().collect();
+        let mut peers = 0;
+        for h in &sources {
+            self.source_event(s, *h, SourceEvent::Cancelled { reason: CancelReason::OwnerLost })?;
+            for ps in 0..self.slots.len() {
+                if ps != s && self.fault_live_destination(ps, *h) {
+                    let ev = DestinationEvent::Cancelled { reason: CancelReason::PeerLost };
+                    self.destination_event(ps, *h, ev)?;
+                    peers += 1;
+                }
+            }
+        }
+        for h in &destinations {
+            self.destination_event(s, *h, DestinationEvent::Cancelled { reason: CancelReason::OwnerLost })?;
+            for ps in 0..self.slots.len() {
+                if ps != s && self.slots[ps].sources.contains_key(h) {
+                    self.source_event(ps, *h, SourceEvent::Cancelled { reason: CancelReason::PeerLost })?;
+                    peers += 1;
+                }
+            }
+        }
+        self.fault_flush()?;
+        let text = format!(
+            "{} restarted as generation {}: {} handoff roles canceled (owner-lost), {} peer roles canceled (peer-lost)",
+            self.slots[s].id,
+            generation.0,
+            sources.len() + destinations.len(),
+            peers
+        );
+        self.faults.note(fault, text);
+        Ok(())
+    }
+
+    /// The plan's outcome at the end of the run: faults never fired say why.
+    fn fault_reports(&mut self) -> Vec<FaultReport> {
+        let arrived = self.arrivals;
+        for (r, pending) in std::mem::take(&mut self.faults.armed) {
+            for i in pending {
+                let why = if r.0 >= arrived {
+                    "no such request in the trace".to_string()
+                } else {
+                    "the phase was never reached before the run ended".to_string()
+                };
+                self.faults.note(i, why);
+            }
+        }
+        let late: Vec<Late> = self.faults.late.values().copied().collect();
+        for l in &late {
+            match l {
+                Late::Armed(i) => {
+                    self.faults.note(*i, "no message of the handoff was delivered after the phase".into())
+                }
+                Late::Captured { fault, .. } => {
+                    self.faults.note(*fault, "the handoff was never released on both roles".into())
+                }
+                Late::Sent => {}
+            }
+        }
+        let leftover: Vec<usize> = self.faults.duplicate_next.values().copied().collect();
+        for i in leftover {
+            self.faults.note(i, "no message of the handoff was delivered after the phase".into());
+        }
+        let reports = std::mem::take(&mut self.faults.reports);
+        for r in reports.iter().filter(|r| !r.fired()) {
+            tracing::warn!("{r}");
+        }
+        reports
     }
 }

@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod engine;
+pub mod faults;
 pub mod queue;
 pub mod sink;
 pub mod trace;
