@@ -477,3 +477,27 @@ fn an_expired_reservation_is_released_exactly_once_and_fails_its_request() {
         assert_eq!(e.len(), 1, "{h}: pin ended {} times", e.len());
     }
 }
+
+#[test]
+fn the_cli_reports_every_planned_fault_and_whether_it_fired() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = fixture("configs/cascade-faults.json");
+    let config = config.to_str().unwrap();
+    for backend in ["vllm", "sglang"] {
+        let out = dir.path().join(backend);
+        let r = replay(
+            "traces/cascade.jsonl",
+            &["--backend", backend, "--prefill", "2", "--decode", "2", "--config", config],
+            &out,
+        );
+        let faults = r["faults"].as_array().unwrap_or_else(|| panic!("{backend}: no faults in report"));
+        assert_eq!(faults.len(), 3, "{backend}: one entry per planned fault");
+        for f in faults {
+            assert!(f["fired_at_ns"].is_u64(), "{backend}: fault did not fire: {f}");
+            assert!(f["handoff"].is_string(), "{backend}: fault names no handoff: {f}");
+        }
+        assert_eq!(r["drained"], true, "{backend}");
+        // A canceled request is counted as such, not as completed.
+        assert!(r["canceled_requests"].as_u64().unwrap() >= 1, "{backend}: {r}");
+    }
+}

@@ -78,7 +78,8 @@ impl<W: Write> StreamWriter<W> {
         s.extend_from_slice(&[0u8; FRAME_PREFIX_BYTES]);
         s.extend_from_slice(&seq.to_le_bytes());
         s.extend_from_slice(&at_ns.to_le_bytes());
-        codec::encode_fact_into(fact, s).map_err(|reason| LogError::Encode { path: self.name.clone(), reason })?;
+        codec::encode_fact_into(fact, s)
+            .map_err(|reason| LogError::Encode { path: self.name.clone(), reason })?;
         let len = s.len() - FRAME_PREFIX_BYTES;
         if len > MAX_RECORD_BYTES {
             return Err(LogError::RecordTooLarge {

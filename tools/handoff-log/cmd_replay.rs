@@ -205,6 +205,9 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         m.insert("drained".into(), outcome.drained.into());
         m.insert("events".into(), outcome.events.into());
         m.insert("log_dir".into(), a.out.display().to_string().into());
+        if !outcome.faults.is_empty() {
+            m.insert("faults".into(), serde_json::to_value(&outcome.faults).unwrap_or_default());
+        }
     }
     if let Some(p) = &a.report_json {
         let text = serde_json::to_string_pretty(&json).unwrap_or_default();
@@ -215,6 +218,20 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         out.line(&serde_json::to_string_pretty(&json).unwrap_or_default())?;
     } else {
         out.line(&crate::report::table(&outcome.report))?;
+        for f in &outcome.faults {
+            let when = match f.fired_at_ns {
+                Some(t) => format!("fired at {:.3} ms", t as f64 / 1e6),
+                None => "NOT fired".to_string(),
+            };
+            out.line(&format!(
+                "fault {} {} on request {}: {when}{}{}",
+                f.spec.kind.as_str(),
+                f.spec.phase.as_str(),
+                f.spec.request,
+                f.handoff.map(|h| format!(", handoff {h}")).unwrap_or_default(),
+                if f.notes.is_empty() { String::new() } else { format!(" ({})", f.notes.join("; ")) }
+            ))?;
+        }
         out.line(&format!(
             "wall time {:.0} ms for {} events; logs in {}",
             wall_ms,

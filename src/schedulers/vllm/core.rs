@@ -278,7 +278,8 @@ impl VllmCore {
         // Most decode steps fill no block: check before taking the request out of the map
         // (block `hashed` is full once `computed` reaches its end).
         match self.seqs.get(&id) {
-            Some(s) if s.hashed < s.blocks.len() && (s.hashed as u64 + 1) * bs as u64 <= s.computed as u64 => {}
+            Some(s)
+                if s.hashed < s.blocks.len() && (s.hashed as u64 + 1) * bs as u64 <= s.computed as u64 => {}
             _ => return,
         }
         let Some(mut s) = self.seqs.remove(&id) else { return };
@@ -1122,11 +1123,16 @@ impl EngineCore for VllmCore {
                 decode_tokens += 1;
                 // Step 5 only acts on a first token, a finished request or a terminal prefill;
                 // a decode token in the middle of a request needs nothing there.
-                if s.generated == 1 || s.generated >= s.max_output() || matches!(s.kind, SeqKind::Source { .. }) {
+                if s.generated == 1
+                    || s.generated >= s.max_output()
+                    || matches!(s.kind, SeqKind::Source { .. })
+                {
                     produced.push(id);
                 }
             }
-            if s.hashed < s.blocks.len() && (s.hashed as u64 + 1) * self.cfg.block_size as u64 <= s.computed as u64 {
+            if s.hashed < s.blocks.len()
+                && (s.hashed as u64 + 1) * self.cfg.block_size as u64 <= s.computed as u64
+            {
                 self.hash_full_blocks(id, &mut runs);
             }
         }
