@@ -397,7 +397,7 @@ impl<'a> Replay<'a> {
 
     /// Runs to the end of the trace and until every event is handled.
     pub fn run(mut self) -> Result<ReplayOutcome, ReplayError> {
-        while let Some((at_ns, ev)) = self.queue.pop() {
+        while let Some((at_ns, ev)) = self.queue.pop(Ev::StepDone) {
             self.now_ns = at_ns;
             self.events += 1;
             self.handle(ev)?;

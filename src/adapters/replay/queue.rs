@@ -6,7 +6,8 @@
 //! * follow-ups due *now* (a command to apply, a message to deliver), pushed while handling an
 //!   event at the current time.
 //!
-//! Steps get one lane per worker (at most one pending boundary each); events due now go to a
+//! Steps get one lane per worker (at most one pending boundary each, kept as its key only: the
+//! caller says how a lane's pop becomes an event); events due now go to a
 //! FIFO, which is already in `(time, seq)` order because time never goes back and sequence
 //! numbers only grow. Everything else (timers, transfers, arrivals) goes to the heap. `pop`
 //! takes the smallest head of the three, so the order is exactly the one heap's order: same
@@ -37,7 +38,6 @@ pub struct EventQueue<E> {
     /// Each lane's `(time, seq)`, `EMPTY` when the lane holds nothing: kept apart from the
     /// events so finding the earliest lane scans a few contiguous words.
     lane_keys: Vec<(u64, u64)>,
-    lane_events: Vec<Option<E>>,
     lanes_used: usize,
 }
 
@@ -53,7 +53,6 @@ impl<E> EventQueue<E> {
             free: Vec::new(),
             now_fifo: VecDeque::new(),
             lane_keys: vec![EMPTY; lanes],
-            lane_events: (0..lanes).map(|_| None).collect(),
             lanes_used: 0,
         }
     }
@@ -88,20 +87,21 @@ impl<E> EventQueue<E> {
         self.heap.push(Reverse(Key { at_ns, seq: self.seq, index }));
     }
 
-    /// Queues `ev` in `lane`; a lane holds one event, so a second one goes to the heap.
+    /// Queues `lane`'s event at `at_ns`. A lane holds one event, so a second one (or one due
+    /// now) goes to the heap as `ev`; otherwise only the key is kept and `ev` is dropped: the
+    /// pop rebuilds it from the lane number.
     pub fn push_lane(&mut self, lane: usize, at_ns: u64, ev: E) {
         if self.lane_keys.get(lane) == Some(&EMPTY) && at_ns > self.now_ns {
             self.seq += 1;
             self.lane_keys[lane] = (at_ns, self.seq);
-            self.lane_events[lane] = Some(ev);
             self.lanes_used += 1;
         } else {
             self.push(at_ns, ev);
         }
     }
 
-    /// The next event in `(time, seq)` order, with its time.
-    pub fn pop(&mut self) -> Option<(u64, E)> {
+    /// The next event in `(time, seq)` order, with its time; a lane's event is `lane_event(lane)`.
+    pub fn pop(&mut self, lane_event: impl FnOnce(usize) -> E) -> Option<(u64, E)> {
         // The earliest lane (EMPTY lanes compare last).
         let mut lane = usize::MAX;
         let mut best = EMPTY;
@@ -131,10 +131,9 @@ impl<E> EventQueue<E> {
             let (at, _, ev) = self.now_fifo.pop_front()?;
             (at, ev)
         } else {
-            let ev = self.lane_events.get_mut(lane)?.take()?;
-            self.lane_keys[lane] = EMPTY;
+            *self.lane_keys.get_mut(lane)? = EMPTY;
             self.lanes_used -= 1;
-            (best.0, ev)
+            (best.0, lane_event(lane))
         };
         debug_assert!(at_ns >= self.now_ns, "time went backwards");
         self.now_ns = at_ns;
@@ -169,6 +168,8 @@ mod tests {
         #[test]
         fn pops_in_time_then_insertion_order(ops in prop::collection::vec(op(), 1..200)) {
             let mut q: EventQueue<u64> = EventQueue::new(3);
+            // Lane events are rebuilt from the lane number: remember which seq each lane holds.
+            let mut lane_seq = [0u64; 3];
             let mut model: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
             let (mut now, mut seq) = (0u64, 0u64);
             for o in ops {
@@ -180,11 +181,17 @@ mod tests {
                     }
                     Op::PushLane(l, d) => {
                         seq += 1;
+                        let before = q.len();
+                        let lanes_before = q.lanes_used;
                         q.push_lane(l, now + d, seq);
+                        prop_assert_eq!(q.len(), before + 1);
+                        if q.lanes_used > lanes_before {
+                            lane_seq[l] = seq;
+                        }
                         model.push(Reverse((now + d, seq)));
                     }
                     Op::Pop => {
-                        let got = q.pop();
+                        let got = q.pop(|l| lane_seq[l]);
                         prop_assert_eq!(got, model.pop().map(|Reverse(k)| k));
                         if let Some((at, _)) = got {
                             now = at;
@@ -194,9 +201,9 @@ mod tests {
                 prop_assert_eq!(q.len(), model.len());
             }
             while let Some(Reverse(k)) = model.pop() {
-                prop_assert_eq!(q.pop(), Some(k));
+                prop_assert_eq!(q.pop(|l| lane_seq[l]), Some(k));
             }
-            prop_assert!(q.pop().is_none());
+            prop_assert!(q.pop(|l| lane_seq[l]).is_none());
         }
     }
 }
