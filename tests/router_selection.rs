@@ -131,6 +131,7 @@ fn req(id: u64, input: u32, trace_blocks: &[u64]) -> Request {
         trace_blocks: trace_blocks.to_vec().into(),
         trace_block_size: 512,
         arrival_ns: 0,
+        hash_cache: Default::default(),
     }
 }
 

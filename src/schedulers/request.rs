@@ -26,6 +26,27 @@ pub struct Request {
     pub trace_block_size: u32,
     /// When the frontend received it.
     pub arrival_ns: u64,
+    /// The prompt's block hashes once computed, shared by every clone (a handoff's prefill
+    /// and decode hash the same prompt).
+    pub hash_cache: PromptHashCache,
+}
+
+/// Memoized [`Request::prompt_block_hashes`] for one block size. Not part of a request's
+/// identity: two requests compare equal whatever their caches hold.
+#[derive(Clone, Default)]
+pub struct PromptHashCache(Arc<std::sync::OnceLock<(u32, Arc<[BlockHash]>)>>);
+
+impl PartialEq for PromptHashCache {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+impl Eq for PromptHashCache {}
+
+impl std::fmt::Debug for PromptHashCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PromptHashCache")
+    }
 }
 
 impl Request {
@@ -41,11 +62,25 @@ impl Request {
             trace_blocks: blocks.into(),
             trace_block_size: TRACE_BLOCK_SIZE,
             arrival_ns,
+            hash_cache: Default::default(),
         }
     }
 
-    /// Hashes of the prompt's *full* engine blocks of `block_size` tokens, chained.
+    /// Hashes of the prompt's *full* engine blocks of `block_size` tokens, chained. Computed
+    /// once per request (and block size) and shared by its clones.
     pub fn prompt_block_hashes(&self, block_size: u32) -> Vec<BlockHash> {
+        if let Some((bs, hashes)) = self.hash_cache.0.get() {
+            if *bs == block_size {
+                return hashes.to_vec();
+            }
+        }
+        let hashes = self.compute_block_hashes(block_size);
+        // The first block size asked for is kept (a run uses one).
+        let _ = self.hash_cache.0.set((block_size, hashes.as_slice().into()));
+        hashes
+    }
+
+    fn compute_block_hashes(&self, block_size: u32) -> Vec<BlockHash> {
         let full = self.input_tokens / block_size;
         let mut out = Vec::with_capacity(full as usize);
         let mut parent: BlockHash = ROOT_HASH;
@@ -144,6 +179,7 @@ mod tests {
             trace_blocks: blocks.to_vec().into(),
             trace_block_size: TRACE_BLOCK_SIZE,
             arrival_ns: 0,
+            hash_cache: Default::default(),
         }
     }
 
@@ -192,6 +228,19 @@ mod tests {
                 .collect()
         };
         assert_eq!(short.prompt_block_hashes(64), general);
+    }
+
+    #[test]
+    fn clones_share_the_hash_cache_and_other_block_sizes_are_still_right() {
+        let a = req(1, 5000, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+        let b = a.clone();
+        let first = a.prompt_block_hashes(64);
+        assert_eq!(first, a.compute_block_hashes(64));
+        assert!(b.hash_cache.0.get().is_some(), "the clone sees the cached hashes");
+        assert_eq!(b.prompt_block_hashes(64), first);
+        // A block size other than the cached one is computed, not served from the cache.
+        assert_eq!(b.prompt_block_hashes(16), a.compute_block_hashes(16));
+        assert_ne!(b.prompt_block_hashes(16).len(), first.len());
     }
 
     #[test]

@@ -30,6 +30,7 @@ pub fn req(id: u64, input: u32, output: u32, family: u64, shared_blocks: u32) ->
         trace_blocks: blocks.into(),
         trace_block_size: TBS,
         arrival_ns: 0,
+        hash_cache: Default::default(),
     }
 }
 

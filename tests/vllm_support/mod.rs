@@ -140,6 +140,7 @@ pub fn req(id: u64, input: u32, output: u32, trace: &[u64]) -> Request {
         trace_blocks: blocks.into(),
         trace_block_size: TRACE_BLOCK_SIZE,
         arrival_ns: 0,
+        hash_cache: Default::default(),
     }
 }
 

@@ -140,6 +140,7 @@ impl TraceRequest {
                 trace_blocks: Arc::from(ids.as_slice()),
                 trace_block_size: TRACE_BLOCK_SIZE,
                 arrival_ns: self.arrival_ns(),
+                hash_cache: Default::default(),
             },
             None => Request::unique(id, self.input_tokens, self.output_tokens, self.arrival_ns()),
         }

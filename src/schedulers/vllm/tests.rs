@@ -50,6 +50,7 @@ fn req(id: u64, input: u32, output: u32, trace: &[u64]) -> Request {
         trace_blocks: trace.to_vec().into(),
         trace_block_size: TRACE_BLOCK_SIZE,
         arrival_ns: 0,
+        hash_cache: Default::default(),
     }
 }
 
