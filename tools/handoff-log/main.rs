@@ -191,3 +191,8 @@ fn main() -> ExitCode {
         }
     }
 }
+
+// mimalloc: the replay allocates and frees many small vectors per request; glibc's allocator
+// showed up at several percent of the event loop.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
