@@ -91,13 +91,15 @@ pub enum Owner {
     Reserved = 2,
 }
 
+/// A block's class; the discriminant indexes the pool's counters and delta accumulator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
 enum Class {
-    Active,
-    Pinned,
-    Reserved,
-    Cached,
-    Free,
+    Active = 0,
+    Pinned = 1,
+    Reserved = 2,
+    Cached = 3,
+    Free = 4,
 }
 
 #[derive(Clone, Debug)]
@@ -159,48 +161,36 @@ pub struct BlockPool {
     /// misses). Compacted when dead entries pile up: at most about twice the block count.
     lru: VecDeque<(BlockId, u32)>,
     counts: Counts,
-    /// Class changes not yet attached to a fact.
-    acc: KvDelta,
+    /// Class changes not yet attached to a fact, indexed by `Class as usize`.
+    acc: [i32; 5],
     /// Hashes evicted and not yet reported by a `KvRemoved` fact.
     removed: Vec<BlockHash>,
     /// Bumped whenever a block becomes unreferenced (capacity grew).
     epoch: u64,
 }
 
+/// Blocks per class, indexed by `Class as usize` (a table, not a match, on every transition).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Counts {
-    active: u64,
-    pinned: u64,
-    reserved: u64,
-    cached: u64,
-    free: u64,
-}
+struct Counts([u64; 5]);
 
 impl Counts {
+    #[inline]
     fn bump(&mut self, c: Class, up: bool) {
-        let slot = match c {
-            Class::Active => &mut self.active,
-            Class::Pinned => &mut self.pinned,
-            Class::Reserved => &mut self.reserved,
-            Class::Cached => &mut self.cached,
-            Class::Free => &mut self.free,
-        };
+        let slot = &mut self.0[c as usize];
         if up {
             *slot += 1;
         } else {
             *slot = slot.saturating_sub(1);
         }
     }
+    fn get(&self, c: Class) -> u64 {
+        self.0[c as usize]
+    }
 }
 
-fn delta_bump(d: &mut KvDelta, c: Class, by: i32) {
-    match c {
-        Class::Active => d.active += by,
-        Class::Pinned => d.pinned_source += by,
-        Class::Reserved => d.reserved_destination += by,
-        Class::Cached => d.cached_free += by,
-        Class::Free => d.free += by,
-    }
+#[inline]
+fn delta_bump(d: &mut [i32; 5], c: Class, by: i32) {
+    d[c as usize] += by;
 }
 
 impl BlockPool {
@@ -216,8 +206,8 @@ impl BlockPool {
             bucket_shift: 64 - buckets.trailing_zeros(),
             free,
             lru: VecDeque::new(),
-            counts: Counts { free: total as u64, ..Default::default() },
-            acc: KvDelta::ZERO,
+            counts: Counts([0, 0, 0, 0, total as u64]),
+            acc: [0; 5],
             removed: Vec::new(),
             epoch: 0,
         }
@@ -229,11 +219,11 @@ impl BlockPool {
 
     /// Blocks an allocation could obtain now: plain free plus evictable cached-free.
     pub fn available(&self) -> u64 {
-        self.counts.free + self.counts.cached
+        self.counts.get(Class::Free) + self.counts.get(Class::Cached)
     }
 
     pub fn active_blocks(&self) -> u64 {
-        self.counts.active
+        self.counts.get(Class::Active)
     }
 
     pub fn epoch(&self) -> u64 {
@@ -329,12 +319,20 @@ impl BlockPool {
     /// Nothing changed since the last [`BlockPool::take_delta`] and nothing was evicted since the
     /// last [`BlockPool::take_removed`]: there is nothing to attach to a fact.
     pub fn is_quiet(&self) -> bool {
-        self.acc == KvDelta::ZERO && self.removed.is_empty()
+        self.acc == [0; 5] && self.removed.is_empty()
     }
 
     /// Drains the class changes since the last call (to attach to a fact).
     pub fn take_delta(&mut self) -> KvDelta {
-        std::mem::take(&mut self.acc)
+        let a = std::mem::take(&mut self.acc);
+        KvDelta {
+            active: a[Class::Active as usize],
+            pinned_source: a[Class::Pinned as usize],
+            reserved_destination: a[Class::Reserved as usize],
+            cached_free: a[Class::Cached as usize],
+            free: a[Class::Free as usize],
+            ..KvDelta::ZERO
+        }
     }
 
     /// Drains the hashes evicted since the last call.
@@ -346,14 +344,20 @@ impl BlockPool {
         blocks.get(b as usize).is_some_and(|blk| blk.lru_stamp == stamp && blk.class() == Class::Cached)
     }
 
+    #[inline]
     fn lru_push_tail(&mut self, b: BlockId) {
         if self.lru.len() >= 2 * self.blocks.len() + 64 {
-            let blocks = &self.blocks;
-            self.lru.retain(|&(x, stamp)| Self::lru_live(blocks, x, stamp));
+            self.compact_lru();
         }
         let blk = &mut self.blocks[b as usize];
         blk.lru_stamp = blk.lru_stamp.wrapping_add(1);
         self.lru.push_back((b, blk.lru_stamp));
+    }
+
+    #[cold]
+    fn compact_lru(&mut self) {
+        let blocks = &self.blocks;
+        self.lru.retain(|&(x, stamp)| Self::lru_live(blocks, x, stamp));
     }
 
     /// Takes the least recently cached live block out of the queue.
@@ -368,6 +372,7 @@ impl BlockPool {
 
     /// Applies `f` to block `b` and books the resulting class change (structures, counters,
     /// delta, epoch). Leaving the Free class is only done by `alloc`, which pops the stack itself.
+    #[inline(always)]
     fn transition(&mut self, b: BlockId, f: impl FnOnce(&mut Block)) {
         let old = self.blocks[b as usize].class();
         f(&mut self.blocks[b as usize]);
@@ -497,11 +502,11 @@ impl BlockPool {
     /// The counters, as a snapshot (slots are the core's business).
     pub fn snapshot_blocks(&self) -> KvCapacitySnapshot {
         KvCapacitySnapshot {
-            active_blocks: self.counts.active,
-            pinned_source_blocks: self.counts.pinned,
-            reserved_destination_blocks: self.counts.reserved,
-            cached_free_blocks: self.counts.cached,
-            free_blocks: self.counts.free,
+            active_blocks: self.counts.get(Class::Active),
+            pinned_source_blocks: self.counts.get(Class::Pinned),
+            reserved_destination_blocks: self.counts.get(Class::Reserved),
+            cached_free_blocks: self.counts.get(Class::Cached),
+            free_blocks: self.counts.get(Class::Free),
             total_blocks: self.total(),
             request_slots_used: 0,
             decode_headroom_tokens: 0,
@@ -542,8 +547,8 @@ impl BlockPool {
         if chained != self.blocks.iter().filter(|b| b.hash().is_some()).count() as u64 {
             return Err(PoolError("hash index size differs from hashed blocks".into()));
         }
-        if self.free.len() as u64 != c.free {
-            return Err(PoolError(format!("free stack {} != free blocks {}", self.free.len(), c.free)));
+        if self.free.len() as u64 != c.get(Class::Free) {
+            return Err(PoolError(format!("free stack {} != free blocks {}", self.free.len(), c.get(Class::Free))));
         }
         if self.free.iter().any(|&b| self.blocks[b as usize].class() != Class::Free) {
             return Err(PoolError("free stack holds a non-free block".into()));
@@ -551,8 +556,8 @@ impl BlockPool {
         // Every cached block has exactly one live queue entry: live entries are distinct
         // (a stamp is used once per block) and as many as the cached blocks.
         let n = self.lru.iter().filter(|&&(b, stamp)| Self::lru_live(&self.blocks, b, stamp)).count() as u64;
-        if n != c.cached {
-            return Err(PoolError(format!("LRU length {n} != cached blocks {}", c.cached)));
+        if n != c.get(Class::Cached) {
+            return Err(PoolError(format!("LRU length {n} != cached blocks {}", c.get(Class::Cached))));
         }
         if self.lru.len() > 2 * self.blocks.len() + 64 {
             return Err(PoolError(format!("LRU queue holds {} entries", self.lru.len())));
@@ -561,11 +566,11 @@ impl BlockPool {
             return Err(PoolError(format!("counters {:?} != recount {:?}", self.counts, c)));
         }
         Ok(KvCapacitySnapshot {
-            active_blocks: c.active,
-            pinned_source_blocks: c.pinned,
-            reserved_destination_blocks: c.reserved,
-            cached_free_blocks: c.cached,
-            free_blocks: c.free,
+            active_blocks: c.get(Class::Active),
+            pinned_source_blocks: c.get(Class::Pinned),
+            reserved_destination_blocks: c.get(Class::Reserved),
+            cached_free_blocks: c.get(Class::Cached),
+            free_blocks: c.get(Class::Free),
             total_blocks: self.total(),
             request_slots_used: 0,
             decode_headroom_tokens: 0,
