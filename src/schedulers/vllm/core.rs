@@ -161,9 +161,17 @@ pub struct VllmCore {
     /// Emptied effects handed back by the adapter, reused by the next step.
     spare: Option<Effects>,
     /// Per-step scratch lists, kept so a step allocates nothing in steady state.
-    scratch_scheduled: Vec<(RequestId, u64, bool)>,
+    scratch_scheduled: Vec<Scheduled>,
     scratch_produced: Vec<RequestId>,
 }
+
+/// A request scheduled in a step: (id, tokens, prefilling, fast-path flags). A decode token
+/// that needs no new block is computed already in the scheduling pass (`ADVANCED`), which also
+/// notes whether it produces output worth a look (`PRODUCES`) and fills a block (`FILLS`).
+type Scheduled = (RequestId, u64, bool, u8);
+const ADVANCED: u8 = 1;
+const PRODUCES: u8 = 2;
+const FILLS: u8 = 4;
 
 /// A reservation that fits: (blocks, prefix blocks, fresh pages, prompt block hashes).
 type Reservation = (Vec<BlockId>, u32, u32, Vec<BlockHash>);
@@ -491,7 +499,7 @@ impl VllmCore {
         fx: &mut Effects,
         step_acc: &mut KvDelta,
         budget: u64,
-        scheduled: &mut Vec<(RequestId, u64, bool)>,
+        scheduled: &mut Vec<Scheduled>,
     ) {
         let with_kv: Vec<(usize, RequestId)> = self
             .waiting
@@ -504,7 +512,7 @@ impl VllmCore {
             if let Some((tokens, prefill)) = self.try_admit(id, budget, fx, step_acc) {
                 self.waiting.remove(pos);
                 self.running.push(id);
-                scheduled.push((id, tokens, prefill));
+                scheduled.push((id, tokens, prefill, 0));
                 return;
             }
         }
@@ -1025,7 +1033,9 @@ impl EngineCore for VllmCore {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
-            let Some(s) = self.seqs.get(&id) else {
+            let quiet = self.pool.is_quiet();
+            let bs = self.cfg.block_size as u64;
+            let Some(s) = self.seqs.get_mut(&id) else {
                 i += 1;
                 continue;
             };
@@ -1038,11 +1048,25 @@ impl EngineCore for VllmCore {
             let kv_tokens = s.computed as u64 + tokens;
             // Multiply before dividing: most steps need no new block.
             let held = s.blocks.len() as u64;
-            let need = if kv_tokens <= held * self.bs() as u64 {
-                0
-            } else {
-                self.blocks_for(kv_tokens).saturating_sub(held)
-            };
+            if !prefill && kv_tokens <= held * bs && quiet {
+                // The common decode token: no block to find, nobody to preempt, no accounting
+                // pending. Compute it now (step 4 would, unchanged by anything in between) and
+                // save step 4 the lookup.
+                s.computed += 1;
+                s.generated += 1;
+                let mut flags = ADVANCED;
+                if s.generated == 1 || s.generated >= s.max_output() || matches!(s.kind, SeqKind::Source { .. }) {
+                    flags |= PRODUCES;
+                }
+                if s.hashed < s.blocks.len() && (s.hashed as u64 + 1) * bs <= s.computed as u64 {
+                    flags |= FILLS;
+                }
+                budget = budget.saturating_sub(1);
+                scheduled.push((id, 1, false, flags));
+                i += 1;
+                continue;
+            }
+            let need = if kv_tokens <= held * bs { 0 } else { kv_tokens.div_ceil(bs).saturating_sub(held) };
             let mut self_preempted = false;
             while self.pool.available() < need {
                 let Some(&victim) = self.running.last() else { break };
@@ -1058,7 +1082,7 @@ impl EngineCore for VllmCore {
             }
             self.grow(id, need, &mut fx, &mut step_acc);
             budget = budget.saturating_sub(tokens);
-            scheduled.push((id, tokens, prefill));
+            scheduled.push((id, tokens, prefill, 0));
             i += 1;
         }
 
@@ -1072,7 +1096,7 @@ impl EngineCore for VllmCore {
                 self.waiting.pop_front();
                 self.running.push(id);
                 budget = budget.saturating_sub(tokens);
-                scheduled.push((id, tokens, prefill));
+                scheduled.push((id, tokens, prefill, 0));
             }
         }
 
@@ -1097,7 +1121,17 @@ impl EngineCore for VllmCore {
         let mut produced = std::mem::take(&mut self.scratch_produced);
         produced.clear();
         let mut runs = Vec::new();
-        for &(id, tokens, prefill) in &scheduled {
+        for &(id, tokens, prefill, flags) in &scheduled {
+            if flags & ADVANCED != 0 {
+                decode_tokens += 1;
+                if flags & PRODUCES != 0 {
+                    produced.push(id);
+                }
+                if flags & FILLS != 0 {
+                    self.hash_full_blocks(id, &mut runs);
+                }
+                continue;
+            }
             let Some(s) = self.seqs.get_mut(&id) else { continue };
             if prefill {
                 let target = s.target();
