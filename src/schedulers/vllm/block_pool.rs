@@ -266,20 +266,6 @@ impl BlockPool {
         (hash.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> self.bucket_shift) as usize
     }
 
-    /// Gives hashless block `b` its hash and links it first in its bucket's chain.
-    fn index_insert(&mut self, b: BlockId, hash: BlockHash) {
-        let k = self.bucket(hash);
-        let head = self.heads[k];
-        let blk = &mut self.blocks[b as usize];
-        blk.hash = hash;
-        blk.hprev = NIL;
-        blk.hnext = head;
-        if head != NIL {
-            self.blocks[head as usize].hprev = b;
-        }
-        self.heads[k] = b;
-    }
-
     /// Unlinks hashed block `b` from its chain and clears its hash: only writes to its
     /// neighbours (or the bucket), no search.
     fn index_remove(&mut self, b: BlockId) {
@@ -482,11 +468,15 @@ impl BlockPool {
     /// nothing changes and the canonical block is returned (the caller adopts it and releases
     /// its own copy).
     pub fn set_hash(&mut self, b: BlockId, hash: BlockHash) -> Result<Option<BlockId>, PoolError> {
-        if let Some(c) = self.lookup(hash) {
-            if c != b {
-                return Ok(Some(c));
+        // One bucket computation for both the search and the insertion.
+        let k = self.bucket(hash);
+        let mut c = self.heads[k];
+        while c != NIL {
+            let blk = &self.blocks[c as usize];
+            if blk.hash == hash {
+                return Ok((c != b).then_some(c));
             }
-            return Ok(None);
+            c = blk.hnext;
         }
         let Some(blk) = self.blocks.get_mut(b as usize) else {
             return Err(PoolError(format!("hash of unknown block {b}")));
@@ -494,8 +484,15 @@ impl BlockPool {
         if blk.hprev != UNHASHED {
             return Err(PoolError(format!("block {b} already has a hash")));
         }
-        // A referenced block keeps its class when it gains a hash.
-        self.index_insert(b, hash);
+        // A referenced block keeps its class when it gains a hash; it goes first in its chain.
+        let head = self.heads[k];
+        blk.hash = hash;
+        blk.hprev = NIL;
+        blk.hnext = head;
+        if head != NIL {
+            self.blocks[head as usize].hprev = b;
+        }
+        self.heads[k] = b;
         Ok(None)
     }
 

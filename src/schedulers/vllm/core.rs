@@ -339,6 +339,7 @@ impl VllmCore {
         self.seqs.insert(id, s);
     }
 
+    #[inline]
     fn push_stored(fx: &mut Effects, runs: Vec<(Option<BlockHash>, Vec<BlockHash>)>) {
         if runs.is_empty() {
             return;
