@@ -390,6 +390,7 @@ impl BlockPool {
     }
 
     /// Drops one reference of `owner`.
+    #[inline]
     pub fn release(&mut self, b: BlockId, owner: Owner) -> Result<(), PoolError> {
         let Some(blk) = self.blocks.get(b as usize) else {
             return Err(PoolError(format!("release of unknown block {b}")));
@@ -401,7 +402,35 @@ impl BlockPool {
         Ok(())
     }
 
+    /// Drops one `owner` reference from each block, in reverse order (a request's tail enters
+    /// the LRU first, so shared prefixes stay cached longest). Continues past a bad block and
+    /// reports the first.
+    pub fn release_all_rev(&mut self, blocks: &[BlockId], owner: Owner) -> Result<(), PoolError> {
+        let mut first = Ok(());
+        for &b in blocks.iter().rev() {
+            let r = self.release(b, owner);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
+    /// [`BlockPool::rekind`] for each block, in order; continues past a bad block and reports
+    /// the first.
+    pub fn rekind_all(&mut self, blocks: &[BlockId], from: Owner, to: Owner) -> Result<(), PoolError> {
+        let mut first = Ok(());
+        for &b in blocks {
+            let r = self.rekind(b, from, to);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
     /// Moves one reference from `from` to `to` in one transition (pin, activation).
+    #[inline]
     pub fn rekind(&mut self, b: BlockId, from: Owner, to: Owner) -> Result<(), PoolError> {
         let Some(blk) = self.blocks.get(b as usize) else {
             return Err(PoolError(format!("rekind of unknown block {b}")));

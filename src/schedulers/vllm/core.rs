@@ -270,10 +270,8 @@ impl VllmCore {
     fn release_all(&mut self, blocks: &[BlockId], owner: Owner) {
         // Reverse order: a request's tail blocks enter the LRU first and are evicted first,
         // which keeps shared prefixes cached longest.
-        for &b in blocks.iter().rev() {
-            let r = self.pool.release(b, owner);
-            self.note_err(r);
-        }
+        let r = self.pool.release_all_rev(blocks, owner);
+        self.note_err(r);
     }
 
     /// Gives `seq`'s newly full blocks their hashes (adopting a canonical block on a duplicate
@@ -898,10 +896,8 @@ impl EngineCore for VllmCore {
             return self.finish_command(Err(CommandError::UnknownHandoff(handoff)), fx);
         };
         self.reserved -= 1;
-        for &b in &blocks {
-            let r = self.pool.rekind(b, Owner::Reserved, Owner::Active);
-            self.note_err(r);
-        }
+        let r = self.pool.rekind_all(&blocks, Owner::Reserved, Owner::Active);
+        self.note_err(r);
         let id = request.id;
         let prompt = request.input_tokens.max(1);
         // Prefix blocks already carry their hashes (never republished); hashing starts at the
@@ -1205,10 +1201,8 @@ impl EngineCore for VllmCore {
                 SeqKind::Source { handoff, lease_ns } => {
                     // Terminal prefill → held-prefill ownership, one transition, no completion.
                     let Some(s) = self.seqs.remove(&id) else { continue };
-                    for &b in &s.blocks {
-                        let r = self.pool.rekind(b, Owner::Active, Owner::Pinned);
-                        self.note_err(r);
-                    }
+                    let r = self.pool.rekind_all(&s.blocks, Owner::Active, Owner::Pinned);
+                    self.note_err(r);
                     left_running = true;
                     self.live.remove(&id);
                     let lease = SourceLeaseId(self.next_lease);
