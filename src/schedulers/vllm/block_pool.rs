@@ -496,6 +496,7 @@ impl BlockPool {
     /// Gives a referenced, hashless block its hash. If another block already holds that hash,
     /// nothing changes and the canonical block is returned (the caller adopts it and releases
     /// its own copy).
+    #[inline]
     pub fn set_hash(&mut self, b: BlockId, hash: BlockHash) -> Result<Option<BlockId>, PoolError> {
         // One bucket computation for both the search and the insertion.
         let k = self.bucket(hash);
