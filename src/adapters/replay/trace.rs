@@ -518,6 +518,31 @@ mod tests {
     }
 
     #[test]
+    fn prefetched_trace_gives_every_request_in_order_then_the_error_in_its_place() {
+        let mut text = String::new();
+        for i in 0..600 {
+            text.push_str(&format!("{{\"timestamp\": {i}, \"input_length\": 10, \"output_length\": 2}}\n"));
+        }
+        text.push_str("{\"timestamp\": 601, \"input_length\": \"ten\"}\n");
+        text.push_str("{\"timestamp\": 602, \"input_length\": 10, \"output_length\": 2}\n");
+        let r = TraceReader::new(
+            Cursor::new(text.into_bytes()),
+            "t.jsonl",
+            TraceOptions { format: Some(TraceFormat::Mooncake), speedup: 1.0 },
+        )
+        .unwrap();
+        let mut p = PrefetchedTrace::start(r).unwrap();
+        for i in 0..600u64 {
+            let req = p.next_request().unwrap().unwrap_or_else(|| panic!("request {i} missing"));
+            assert_eq!(req.index, i);
+        }
+        let e = p.next_request().unwrap_err();
+        assert_eq!(e.line, 601, "{e}");
+        // Nothing is read past the error.
+        assert!(p.next_request().unwrap().is_none());
+    }
+
+    #[test]
     fn error_display_names_file_and_line() {
         let e = TraceError { path: "a/b.jsonl".into(), line: 7, reason: "bad".into() };
         assert_eq!(e.to_string(), "a/b.jsonl:7: bad");
@@ -544,5 +569,110 @@ mod tests {
         assert_eq!(sniff_format(&mut c), Ok(TraceFormat::AzureCsv));
         let mut x = Cursor::new(&b"hello"[..]);
         assert!(sniff_format(&mut x).is_err());
+    }
+}
+
+/// Requests read ahead on a thread of their own, in trace order. Parsing JSON is the one part
+/// of a replay that needs nothing from the simulation, so it overlaps with it. The hand-over is
+/// bounded (a few batches), so memory stays flat however long the trace is. An error ends the
+/// stream: it is handed over in its place and nothing after it is read.
+pub struct PrefetchedTrace {
+    batch: std::vec::IntoIter<TraceRequest>,
+    from_reader: Option<std::sync::mpsc::Receiver<Result<Vec<TraceRequest>, TraceError>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+    path: PathBuf,
+}
+
+/// Requests per hand-over, and hand-overs in flight.
+const PREFETCH_BATCH: usize = 256;
+const PREFETCH_BATCHES: usize = 4;
+
+impl PrefetchedTrace {
+    pub fn start<R: BufRead + Send + 'static>(mut trace: TraceReader<R>) -> Result<Self, TraceError> {
+        let path = trace.path.clone();
+        let (tx, rx) = std::sync::mpsc::sync_channel(PREFETCH_BATCHES);
+        let reader = std::thread::Builder::new()
+            .name("handoff-log-trace".into())
+            .spawn(move || loop {
+                let mut batch = Vec::with_capacity(PREFETCH_BATCH);
+                let mut end = None;
+                while batch.len() < PREFETCH_BATCH {
+                    match trace.next_request() {
+                        Ok(Some(r)) => batch.push(r),
+                        Ok(None) => {
+                            end = Some(Ok(()));
+                            break;
+                        }
+                        Err(e) => {
+                            end = Some(Err(e));
+                            break;
+                        }
+                    }
+                }
+                // A closed receiver means the replay stopped early: stop reading.
+                if !batch.is_empty() && tx.send(Ok(batch)).is_err() {
+                    return;
+                }
+                match end {
+                    None => continue,
+                    Some(Ok(())) => return,
+                    Some(Err(e)) => {
+                        let _ = tx.send(Err(e));
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| TraceError {
+                path: path.clone(),
+                line: 0,
+                reason: format!("starting the trace reader: {e}"),
+            })?;
+        Ok(PrefetchedTrace {
+            batch: Vec::new().into_iter(),
+            from_reader: Some(rx),
+            reader: Some(reader),
+            path,
+        })
+    }
+
+    /// The next request, `Ok(None)` at the end of the trace.
+    pub fn next_request(&mut self) -> Result<Option<TraceRequest>, TraceError> {
+        loop {
+            if let Some(r) = self.batch.next() {
+                return Ok(Some(r));
+            }
+            let Some(rx) = self.from_reader.as_ref() else { return Ok(None) };
+            match rx.recv() {
+                Ok(Ok(batch)) => self.batch = batch.into_iter(),
+                Ok(Err(e)) => {
+                    self.from_reader = None;
+                    return Err(e);
+                }
+                Err(_) => {
+                    // The reader finished (or died): its thread says which.
+                    self.from_reader = None;
+                    if let Some(h) = self.reader.take() {
+                        if h.join().is_err() {
+                            return Err(TraceError {
+                                path: self.path.clone(),
+                                line: 0,
+                                reason: "the trace reader thread panicked".into(),
+                            });
+                        }
+                    }
+                    return Ok(None);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for PrefetchedTrace {
+    fn drop(&mut self) {
+        // Unblock a reader waiting to hand over, then wait for it.
+        self.from_reader = None;
+        if let Some(h) = self.reader.take() {
+            let _ = h.join();
+        }
     }
 }
