@@ -24,7 +24,7 @@ fn config(backend: Backend) -> ReplayConfig {
 
 /// One full replay of the in-memory trace into `out`; returns the events handled.
 fn replay(trace: &[u8], backend: Backend, out: &Path) -> u64 {
-    let reader: Box<dyn BufRead + Send> = Box::new(Cursor::new(trace.to_vec()));
+    let reader: Box<dyn BufRead> = Box::new(Cursor::new(trace.to_vec()));
     let trace = TraceReader::new(reader, trace_path(), TraceOptions::default()).expect("trace");
     let outcome =
         Replay::new(config(backend), trace, out, None).expect("replay setup").run().expect("replay run");

@@ -27,8 +27,8 @@ const FAULTED: u64 = 1;
 
 type Rec = (WorkerId, u64, Fact);
 
-fn trace(text: &str) -> TraceReader<Box<dyn BufRead + Send>> {
-    let reader: Box<dyn BufRead + Send> = Box::new(Cursor::new(text.as_bytes().to_vec()));
+fn trace(text: &str) -> TraceReader<Box<dyn BufRead>> {
+    let reader: Box<dyn BufRead> = Box::new(Cursor::new(text.as_bytes().to_vec()));
     TraceReader::new(reader, "in-test.jsonl", TraceOptions::default()).unwrap()
 }
 

@@ -139,7 +139,7 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
     }
     let opts = TraceOptions { format: a.trace_format, speedup: cfg.arrival_speedup };
     let file = File::open(&a.trace).map_err(|e| CliError::new(2, format!("{}: {e}", a.trace.display())))?;
-    let reader: Box<dyn BufRead + Send> = Box::new(BufReader::with_capacity(1 << 20, file));
+    let reader: Box<dyn BufRead> = Box::new(BufReader::with_capacity(1 << 20, file));
     let trace = TraceReader::new(reader, &a.trace, opts)?;
 
     // Per-request lines stream out as requests end (from the log writer's thread); the first

@@ -23,7 +23,7 @@ use crate::adapters::replay::config::{ConfigError, ReplayConfig};
 use crate::adapters::replay::faults::{FaultKind, FaultReport, FaultState, Late};
 use crate::adapters::replay::queue::EventQueue;
 use crate::adapters::replay::sink::FactSink;
-use crate::adapters::replay::trace::{PrefetchedTrace, TraceError, TraceReader, TraceRequest};
+use crate::adapters::replay::trace::{TraceError, TraceReader, TraceRequest};
 use crate::adapters::replay::transfer::{TransferConfig, TransferModel};
 use crate::events::{EngineShape, Fact, LogError, RunWriter, StreamHeader, TerminalStatus};
 use crate::ids::{
@@ -196,7 +196,7 @@ pub struct Replay<'a> {
     mint: IdMint,
     /// The run's streams and the metrics fold, behind the writer thread.
     sink: FactSink,
-    trace: PrefetchedTrace,
+    trace: TraceReader<Box<dyn std::io::BufRead>>,
     next_arrival: Option<TraceRequest>,
     arrivals: u64,
     held_back: bool,
@@ -210,7 +210,7 @@ impl<'a> Replay<'a> {
     /// Builds the cluster and opens the output streams in `out_dir`.
     pub fn new(
         cfg: ReplayConfig,
-        trace: TraceReader<Box<dyn std::io::BufRead + Send>>,
+        trace: TraceReader<Box<dyn std::io::BufRead>>,
         out_dir: &Path,
         per_request: Option<PerRequestSink>,
     ) -> Result<Self, ReplayError> {
@@ -307,7 +307,7 @@ impl<'a> Replay<'a> {
             transfer,
             mint,
             sink,
-            trace: PrefetchedTrace::start(trace)?,
+            trace,
             next_arrival: None,
             arrivals: 0,
             held_back: false,
