@@ -292,8 +292,8 @@ impl VllmCore {
         let full = ((s.computed / bs) as usize).min(s.blocks.len());
         let mut run: Option<(Option<BlockHash>, Vec<BlockHash>)> = None;
         // Prompt hashes are known ahead: prefetch buckets, then chain heads, a few blocks ahead.
-        const BUCKET_AHEAD: usize = 12;
-        const CHAIN_AHEAD: usize = 6;
+        const BUCKET_AHEAD: usize = 24;
+        const CHAIN_AHEAD: usize = 12;
         let known = full.min(s.hashes.len());
         for b in s.hashed..(s.hashed + BUCKET_AHEAD).min(known) {
             self.pool.prefetch_bucket(s.blocks[b], s.hashes[b]);
