@@ -575,7 +575,11 @@ impl BlockPool {
             return Err(PoolError("hash index size differs from hashed blocks".into()));
         }
         if self.free.len() as u64 != c.get(Class::Free) {
-            return Err(PoolError(format!("free stack {} != free blocks {}", self.free.len(), c.get(Class::Free))));
+            return Err(PoolError(format!(
+                "free stack {} != free blocks {}",
+                self.free.len(),
+                c.get(Class::Free)
+            )));
         }
         if self.free.iter().any(|&b| self.blocks[b as usize].class() != Class::Free) {
             return Err(PoolError("free stack holds a non-free block".into()));

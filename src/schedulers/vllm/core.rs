@@ -1052,7 +1052,10 @@ impl EngineCore for VllmCore {
                 s.computed += 1;
                 s.generated += 1;
                 let mut flags = ADVANCED;
-                if s.generated == 1 || s.generated >= s.max_output() || matches!(s.kind, SeqKind::Source { .. }) {
+                if s.generated == 1
+                    || s.generated >= s.max_output()
+                    || matches!(s.kind, SeqKind::Source { .. })
+                {
                     flags |= PRODUCES;
                 }
                 if s.hashed < s.blocks.len() && (s.hashed as u64 + 1) * bs <= s.computed as u64 {
