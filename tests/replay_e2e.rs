@@ -43,12 +43,7 @@ fn replay(trace: &str, args: &[&str], out: &Path) -> Value {
 /// Every record of a run as (worker, at_ns, fact), in merge order.
 fn records(run: &Path) -> Vec<(WorkerId, u64, Fact)> {
     let mut r = RunReader::open(run).unwrap();
-    let workers: Vec<WorkerId> = r.headers().iter().map(|h| h.worker).collect();
-    let mut out = Vec::new();
-    while let Some((i, rec)) = r.next().unwrap() {
-        out.push((workers[i], rec.at_ns, rec.fact));
-    }
-    out
+    std::iter::from_fn(|| r.next_record().unwrap()).map(|(w, rec)| (w, rec.at_ns, rec.fact)).collect()
 }
 
 fn dir_bytes(dir: &Path) -> BTreeMap<String, Vec<u8>> {

@@ -48,12 +48,7 @@ fn run(cfg: ReplayConfig, text: &str, out: &Path) -> Result<ReplayOutcome, Repla
 
 fn records(run: &Path) -> Vec<Rec> {
     let mut r = RunReader::open(run).unwrap();
-    let workers: Vec<WorkerId> = r.headers().iter().map(|h| h.worker).collect();
-    let mut out = Vec::new();
-    while let Some((i, rec)) = r.next().unwrap() {
-        out.push((workers[i], rec.at_ns, rec.fact));
-    }
-    out
+    std::iter::from_fn(|| r.next_record().unwrap()).map(|(w, rec)| (w, rec.at_ns, rec.fact)).collect()
 }
 
 fn policy_of(backend: Backend) -> &'static str {

@@ -298,6 +298,11 @@ impl RunReader {
         &self.stream_paths
     }
 
+    /// Like [`RunReader::next`], naming the record's worker rather than its stream's index.
+    pub fn next_record(&mut self) -> Result<Option<(WorkerId, Record)>, LogError> {
+        Ok(self.next()?.map(|(i, rec)| (self.headers()[i].worker, rec)))
+    }
+
     /// The next record in merge order, with the index of its stream in [`RunReader::headers`].
     /// `None` at the end. After an error the reader is stopped and returns `None`.
     #[allow(clippy::should_implement_trait)]
