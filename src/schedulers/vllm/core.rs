@@ -163,6 +163,9 @@ pub struct VllmCore {
     /// Per-step scratch lists, kept so a step allocates nothing in steady state.
     scratch_scheduled: Vec<Scheduled>,
     scratch_produced: Vec<RequestId>,
+    /// The last decode-only step's (active KV tokens, duration): the timing model is a pure
+    /// function of them (total KV is fixed per core).
+    last_decode_timing: Option<(u64, u64)>,
 }
 
 /// A request scheduled in a step: (id, tokens, prefilling, fast-path flags). A decode token
@@ -217,6 +220,7 @@ impl VllmCore {
             spare: None,
             scratch_scheduled: Vec::new(),
             scratch_produced: Vec::new(),
+            last_decode_timing: None,
         })
     }
 
@@ -1178,7 +1182,24 @@ impl EngineCore for VllmCore {
             active_kv_tokens: self.pool.active_blocks() * bs,
             total_kv_tokens: self.pool.total() * bs,
         };
-        let duration_ns = self.cfg.timing.step_ns(&shape);
+        // Decode-only steps repeat their shape for many steps in a row (KV usage moves in whole
+        // blocks): reuse the last such step's duration when the shape is the same.
+        let duration_ns = match self.last_decode_timing {
+            Some((active, ns))
+                if shape.prefill_tokens == 0
+                    && shape.decode_requests > 0
+                    && active == shape.active_kv_tokens =>
+            {
+                ns
+            }
+            _ => {
+                let ns = self.cfg.timing.step_ns(&shape);
+                if shape.prefill_tokens == 0 && shape.decode_requests > 0 {
+                    self.last_decode_timing = Some((shape.active_kv_tokens, ns));
+                }
+                ns
+            }
+        };
         fx.facts.push(Fact::StepExecuted {
             prefill_tokens: prefill_tokens as u32,
             decode_tokens: decode_tokens as u32,
