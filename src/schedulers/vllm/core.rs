@@ -74,28 +74,48 @@ enum SeqKind {
     Dest { handoff: HandoffId },
 }
 
+/// A request in waiting or running. `repr(C)` with the fields a decode step reads first, so
+/// they share a cache line: a replay steps eight workers in turn, and each step finds its
+/// requests' state evicted by the others' work.
 #[derive(Clone, Debug)]
+#[repr(C)]
 struct Seq {
-    req: Request,
-    /// Hashes of full blocks known so far (prompt blocks, then decode blocks as they fill).
-    hashes: Vec<BlockHash>,
-    blocks: Vec<BlockId>,
-    /// `blocks[..hashed]` carry their hash in the pool.
-    hashed: usize,
     computed: u32,
     generated: u32,
+    /// `req.input_tokens.max(1)` and `req.output_tokens.max(1)`, kept beside the counters.
+    prompt: u32,
+    max_out: u32,
+    /// `blocks[..hashed]` carry their hash in the pool.
+    hashed: usize,
+    blocks: Vec<BlockId>,
     kind: SeqKind,
+    /// Hashes of full blocks known so far (prompt blocks, then decode blocks as they fill).
+    hashes: Vec<BlockHash>,
+    req: Request,
 }
 
 impl Seq {
+    fn new(req: Request, hashes: Vec<BlockHash>, blocks: Vec<BlockId>, kind: SeqKind) -> Self {
+        Seq {
+            computed: 0,
+            generated: 0,
+            prompt: req.input_tokens.max(1),
+            max_out: req.output_tokens.max(1),
+            hashed: 0,
+            blocks,
+            kind,
+            hashes,
+            req,
+        }
+    }
     fn prompt(&self) -> u32 {
-        self.req.input_tokens.max(1)
+        self.prompt
     }
     fn target(&self) -> u32 {
         self.prompt().saturating_add(self.generated)
     }
     fn max_output(&self) -> u32 {
-        self.req.output_tokens.max(1)
+        self.max_out
     }
     /// Decoding means `computed == input + generated − 1`: only the last token's KV is missing.
     /// Anything less (a fresh prompt, or a recompute after preemption) is prefill, whose final
@@ -690,8 +710,7 @@ impl VllmCore {
         }
         let id = req.id;
         let hashes = self.prompt_hashes(&req);
-        self.seqs
-            .insert(id, Seq { req, hashes, blocks: Vec::new(), hashed: 0, computed: 0, generated: 0, kind });
+        self.seqs.insert(id, Seq::new(req, hashes, Vec::new(), kind));
         self.live.insert(id);
         self.waiting.push_back(id);
         fx.facts.push(Fact::RequestQueued { request: id });
@@ -910,16 +929,12 @@ impl EngineCore for VllmCore {
         self.seqs.insert(
             id,
             Seq {
-                req: request,
-                hashes,
-                blocks,
                 hashed: prefix_hashed,
                 // Like vLLM's decode after a remote load: every prompt token but the last is
                 // valid; the first step recomputes the last one into its existing slot and
                 // produces the first output token here (TTFT is observed on the decode worker).
                 computed: prompt - 1,
-                generated: 0,
-                kind: SeqKind::Dest { handoff },
+                ..Seq::new(request, hashes, blocks, SeqKind::Dest { handoff })
             },
         );
         // Every transferred prompt block is valid now (the last token's recompute rewrites a
