@@ -145,7 +145,14 @@ impl Block {
 pub struct PoolError(pub String);
 
 #[derive(Clone, Debug)]
+#[repr(C)]
 pub struct BlockPool {
+    // What every step reads or writes first, in one cache line: counters and the delta.
+    counts: Counts,
+    /// Class changes not yet attached to a fact, indexed by `Class as usize`.
+    acc: [i32; 5],
+    /// Hashes evicted and not yet reported by a `KvRemoved` fact.
+    removed: Vec<BlockHash>,
     blocks: Vec<Block>,
     /// Hash index (see the module docs): bucket → first block of its chain, or `NIL`. Every
     /// block with a hash is in it, and is its hash's canonical block.
@@ -160,11 +167,6 @@ pub struct BlockPool {
     /// queue, so the next ones can be prefetched (a linked list would be a chain of cache
     /// misses). Compacted when dead entries pile up: at most about twice the block count.
     lru: VecDeque<(BlockId, u32)>,
-    counts: Counts,
-    /// Class changes not yet attached to a fact, indexed by `Class as usize`.
-    acc: [i32; 5],
-    /// Hashes evicted and not yet reported by a `KvRemoved` fact.
-    removed: Vec<BlockHash>,
     /// Bumped whenever a block becomes unreferenced (capacity grew).
     epoch: u64,
 }
