@@ -182,6 +182,8 @@ pub struct Replay<'a> {
     now_ns: u64,
     events: u64,
     queue: EventQueue<Ev>,
+    /// Drained effect buffers, handed to the next core that steps (at most one per worker).
+    spare_effects: Vec<Effects>,
     slots: Vec<Slot>,
     prefill_router: Router,
     decode_router: Option<Router>,
@@ -297,6 +299,7 @@ impl<'a> Replay<'a> {
             now_ns: 0,
             events: 0,
             queue: EventQueue::new(workers.len()),
+            spare_effects: Vec::new(),
             slots,
             prefill_router,
             decode_router,
@@ -644,6 +647,9 @@ impl<'a> Replay<'a> {
             if self.slots[s].busy || self.slots[s].core.is_empty() {
                 return Ok(());
             }
+            if let Some(fx) = self.spare_effects.pop() {
+                self.slots[s].core.recycle(fx);
+            }
             let out = self.slots[s].core.step(now);
             if out.duration_ns > 0 {
                 let slot = &mut self.slots[s];
@@ -805,8 +811,11 @@ impl<'a> Replay<'a> {
         for o in effects.outputs.drain(..) {
             self.on_output(s, o)?;
         }
-        // The emptied vectors go back to the core for its next call.
-        self.slots[s].core.recycle(effects);
+        // The emptied vectors wait for whichever core steps next: the most recently drained
+        // buffer is the one still in cache.
+        if self.spare_effects.len() < self.slots.len() {
+            self.spare_effects.push(effects);
+        }
         Ok(())
     }
 
