@@ -37,7 +37,8 @@ impl FactSink {
     /// Starts the writer thread, which owns `out` and `metrics` until [`FactSink::finish`].
     pub fn start(out: RunWriter, metrics: MetricsFold) -> std::io::Result<Self> {
         let (to_writer, from_loop) = sync_channel::<Batch>(BATCHES_IN_FLIGHT);
-        // One more than can be in flight: returning a batch never blocks the writer.
+        // Room for every batch in flight and then some; the writer returns them with try_send, so
+        // a full return channel only means the loop has spares enough and the batch is dropped.
         let (to_loop, recycled) = sync_channel::<Batch>(BATCHES_IN_FLIGHT + 2);
         let writer = std::thread::Builder::new()
             .name("handoff-log-writer".into())
