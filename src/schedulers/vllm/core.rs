@@ -117,6 +117,13 @@ impl Seq {
     fn max_output(&self) -> u32 {
         self.max_out
     }
+    /// Block `hashed` is allocated and `computed` has reached its end: there is a block to hash.
+    /// Multiplies rather than divides: it is asked for every request on every step.
+    #[inline]
+    fn fills_block(&self, block_size: u32) -> bool {
+        self.hashed < self.blocks.len()
+            && (self.hashed as u64 + 1) * block_size as u64 <= self.computed as u64
+    }
     /// Decoding means `computed == input + generated − 1`: only the last token's KV is missing.
     /// Anything less (a fresh prompt, or a recompute after preemption) is prefill, whose final
     /// chunk reaches `target()` and produces the next token.
@@ -311,8 +318,7 @@ impl VllmCore {
         // Most decode steps fill no block: check before taking the request out of the map
         // (block `hashed` is full once `computed` reaches its end).
         match self.seqs.get(&id) {
-            Some(s)
-                if s.hashed < s.blocks.len() && (s.hashed as u64 + 1) * bs as u64 <= s.computed as u64 => {}
+            Some(s) if s.fills_block(bs) => {}
             _ => return,
         }
         let Some(mut s) = self.seqs.remove(&id) else { return };
@@ -1080,7 +1086,7 @@ impl EngineCore for VllmCore {
                 {
                     flags |= PRODUCES;
                 }
-                if s.hashed < s.blocks.len() && (s.hashed as u64 + 1) * bs <= s.computed as u64 {
+                if s.fills_block(self.cfg.block_size) {
                     flags |= FILLS;
                 }
                 budget = budget.saturating_sub(1);
@@ -1186,9 +1192,7 @@ impl EngineCore for VllmCore {
                     produced.push(id);
                 }
             }
-            if s.hashed < s.blocks.len()
-                && (s.hashed as u64 + 1) * self.cfg.block_size as u64 <= s.computed as u64
-            {
+            if s.fills_block(self.cfg.block_size) {
                 self.hash_full_blocks(id, &mut runs);
             }
         }
