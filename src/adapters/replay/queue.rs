@@ -1,4 +1,13 @@
-//! The replay's event queue: events ordered by `(time, insertion sequence)`.
+//! The replay's event queue: events ordered by `(time, rank)`.
+//!
+//! At one instant, step boundaries come first, in worker order; every other event follows, in
+//! insertion order. A step boundary due at `t` was always queued before `t` (a step lasts a
+//! positive time), so it would precede anything queued *at* `t` in plain insertion order too;
+//! the fixed worker order matters only against another boundary or a timer due at the same
+//! nanosecond, and makes a boundary's place independent of when it was queued. That is what
+//! lets the replay skip queuing a quiet worker's step boundaries one by one (see
+//! `engine::QuietRun`): where a skipped boundary falls in this order is known without its
+//! insertion number.
 //!
 //! One binary heap would do, but most events are of two kinds that a heap serves badly:
 //! * a worker's next step boundary (one per busy worker, re-armed after every step: most of a
@@ -6,22 +15,25 @@
 //! * follow-ups due *now* (a command to apply, a message to deliver), pushed while handling an
 //!   event at the current time.
 //!
-//! Steps get one lane per worker (at most one pending boundary each, kept as its key only: the
-//! caller says how a lane's pop becomes an event); events due now go to a
-//! FIFO, which is already in `(time, seq)` order because time never goes back and sequence
-//! numbers only grow. Everything else (timers, transfers, arrivals) goes to the heap. `pop`
-//! takes the smallest head of the three, so the order is exactly the one heap's order: same
-//! trace and seed, same log.
+//! Steps get one lane per worker (at most one pending boundary each, kept as its time only:
+//! the caller says how a lane's pop becomes an event); events due now go to a FIFO, which is
+//! already in order because time never goes back and insertion numbers only grow. Everything
+//! else (timers, transfers, arrivals) goes to the heap. `pop` takes the smallest head of the
+//! three, so the order is exactly the one heap's order: same trace and seed, same log.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
+
+/// Rank of an event that is not a step boundary: after every lane's rank (a lane's rank is
+/// its index), then by insertion number.
+const AFTER_LANES: u64 = 1 << 63;
 
 /// A heap entry: the order key and the event's place in the slab. Sifting moves these 24
 /// bytes, not the (larger) events.
 #[derive(PartialEq, Eq, PartialOrd, Ord)]
 struct Key {
     at_ns: u64,
-    seq: u64,
+    rank: u64,
     index: u32,
 }
 
@@ -35,13 +47,13 @@ pub struct EventQueue<E> {
     slab: Vec<Option<E>>,
     free: Vec<u32>,
     now_fifo: VecDeque<(u64, u64, E)>,
-    /// Each lane's `(time, seq)`, `EMPTY` when the lane holds nothing: kept apart from the
-    /// events so finding the earliest lane scans a few contiguous words.
-    lane_keys: Vec<(u64, u64)>,
+    /// Each lane's due time, `EMPTY` when the lane holds nothing: kept apart from the events
+    /// so finding the earliest lane scans a few contiguous words.
+    lane_at: Vec<u64>,
     lanes_used: usize,
 }
 
-const EMPTY: (u64, u64) = (u64::MAX, u64::MAX);
+const EMPTY: u64 = u64::MAX;
 
 impl<E> EventQueue<E> {
     pub fn new(lanes: usize) -> Self {
@@ -52,7 +64,7 @@ impl<E> EventQueue<E> {
             slab: Vec::new(),
             free: Vec::new(),
             now_fifo: VecDeque::new(),
-            lane_keys: vec![EMPTY; lanes],
+            lane_at: vec![EMPTY; lanes],
             lanes_used: 0,
         }
     }
@@ -71,9 +83,13 @@ impl<E> EventQueue<E> {
         self.seq += 1;
         let at_ns = at_ns.max(self.now_ns);
         if at_ns == self.now_ns {
-            self.now_fifo.push_back((at_ns, self.seq, ev));
+            self.now_fifo.push_back((at_ns, AFTER_LANES | self.seq, ev));
             return;
         }
+        self.push_heap(at_ns, AFTER_LANES | self.seq, ev);
+    }
+
+    fn push_heap(&mut self, at_ns: u64, rank: u64, ev: E) {
         let index = match self.free.pop() {
             Some(i) => {
                 self.slab[i as usize] = Some(ev);
@@ -84,44 +100,57 @@ impl<E> EventQueue<E> {
                 (self.slab.len() - 1) as u32
             }
         };
-        self.heap.push(Reverse(Key { at_ns, seq: self.seq, index }));
+        self.heap.push(Reverse(Key { at_ns, rank, index }));
     }
 
-    /// Queues `lane`'s event at `at_ns`. A lane holds one event, so a second one (or one due
-    /// now) goes to the heap as `ev`; otherwise only the key is kept and `ev` is dropped: the
-    /// pop rebuilds it from the lane number.
+    /// Queues `lane`'s step boundary at `at_ns`. A lane holds one event, so a second one (or
+    /// one due now) goes to the heap as `ev`, with the lane's rank all the same; otherwise only
+    /// the time is kept and `ev` is dropped: the pop rebuilds it from the lane number.
     pub fn push_lane(&mut self, lane: usize, at_ns: u64, ev: E) {
-        if self.lane_keys.get(lane) == Some(&EMPTY) && at_ns > self.now_ns {
-            self.seq += 1;
-            self.lane_keys[lane] = (at_ns, self.seq);
+        let at_ns = at_ns.max(self.now_ns);
+        if self.lane_at.get(lane) == Some(&EMPTY) && at_ns > self.now_ns {
+            self.lane_at[lane] = at_ns;
             self.lanes_used += 1;
         } else {
-            self.push(at_ns, ev);
+            self.push_heap(at_ns, lane as u64, ev);
         }
     }
 
-    /// The next event in `(time, seq)` order, with its time; a lane's event is `lane_event(lane)`.
+    /// Moves `lane`'s pending boundary to `at_ns` (which must lie ahead of the latest pop).
+    /// Returns false, changing nothing, when the lane is empty or the time has passed.
+    pub fn move_lane(&mut self, lane: usize, at_ns: u64) -> bool {
+        match self.lane_at.get_mut(lane) {
+            Some(t) if *t != EMPTY && at_ns > self.now_ns => {
+                *t = at_ns;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The next event in `(time, rank)` order, with its time; a lane's event is
+    /// `lane_event(lane)`.
     pub fn pop(&mut self, lane_event: impl FnOnce(usize) -> E) -> Option<(u64, E)> {
-        // The earliest lane (EMPTY lanes compare last).
+        // The earliest lane, the first in worker order at a tie (EMPTY lanes compare last).
         let mut lane = usize::MAX;
-        let mut best = EMPTY;
+        let mut best = (EMPTY, u64::MAX);
         if self.lanes_used > 0 {
-            for (i, k) in self.lane_keys.iter().enumerate() {
-                if *k < best {
-                    best = *k;
+            for (i, &at) in self.lane_at.iter().enumerate() {
+                if at < best.0 {
+                    best = (at, i as u64);
                     lane = i;
                 }
             }
         }
         // Then whichever of FIFO head and heap top comes before it.
         let mut from_fifo = false;
-        if let Some((at, seq, _)) = self.now_fifo.front() {
-            if (*at, *seq) < best {
-                best = (*at, *seq);
+        if let Some((at, rank, _)) = self.now_fifo.front() {
+            if (*at, *rank) < best {
+                best = (*at, *rank);
                 from_fifo = true;
             }
         }
-        let from_heap = matches!(self.heap.peek(), Some(Reverse(k)) if (k.at_ns, k.seq) < best);
+        let from_heap = matches!(self.heap.peek(), Some(Reverse(k)) if (k.at_ns, k.rank) < best);
         let (at_ns, ev) = if from_heap {
             let Reverse(k) = self.heap.pop()?;
             let ev = self.slab.get_mut(k.index as usize)?.take()?;
@@ -131,7 +160,7 @@ impl<E> EventQueue<E> {
             let (at, _, ev) = self.now_fifo.pop_front()?;
             (at, ev)
         } else {
-            *self.lane_keys.get_mut(lane)? = EMPTY;
+            *self.lane_at.get_mut(lane)? = EMPTY;
             self.lanes_used -= 1;
             (best.0, lane_event(lane))
         };
@@ -150,6 +179,7 @@ mod tests {
     enum Op {
         Push(u64),
         PushLane(usize, u64),
+        MoveLane(usize, u64),
         Pop,
     }
 
@@ -157,53 +187,76 @@ mod tests {
         prop_oneof![
             (0u64..4).prop_map(Op::Push),
             (0usize..3, 0u64..4).prop_map(|(l, d)| Op::PushLane(l, d)),
+            (0usize..3, 0u64..4).prop_map(|(l, d)| Op::MoveLane(l, d)),
             Just(Op::Pop),
             Just(Op::Pop),
         ]
     }
 
+    /// The reference: a plain list of `(time, rank, held in its lane)`, popped by smallest
+    /// `(time, rank)`, a lane-held entry first among equals (they carry the same event).
+    struct Model {
+        entries: Vec<(u64, u64, bool)>,
+    }
+
+    impl Model {
+        fn pop(&mut self) -> Option<(u64, u64)> {
+            let i = (0..self.entries.len()).min_by_key(|&i| {
+                let (at, rank, held) = self.entries[i];
+                (at, rank, !held)
+            })?;
+            let (at, rank, _) = self.entries.remove(i);
+            Some((at, rank))
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
-        /// The queue pops in exactly the order of one heap keyed by (time, seq).
+        /// The queue pops in exactly the order of one list keyed by (time, rank): step
+        /// boundaries first at an instant, by lane, then other events by insertion.
         #[test]
-        fn pops_in_time_then_insertion_order(ops in prop::collection::vec(op(), 1..200)) {
+        fn pops_lanes_first_then_insertion_order(ops in prop::collection::vec(op(), 1..200)) {
             let mut q: EventQueue<u64> = EventQueue::new(3);
-            // Lane events are rebuilt from the lane number: remember which seq each lane holds.
-            let mut lane_seq = [0u64; 3];
-            let mut model: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
+            let mut model = Model { entries: Vec::new() };
             let (mut now, mut seq) = (0u64, 0u64);
             for o in ops {
                 match o {
                     Op::Push(d) => {
                         seq += 1;
-                        q.push(now + d, seq);
-                        model.push(Reverse((now + d, seq)));
+                        q.push(now + d, AFTER_LANES | seq);
+                        model.entries.push((now + d, AFTER_LANES | seq, false));
                     }
                     Op::PushLane(l, d) => {
-                        seq += 1;
                         let before = q.len();
                         let lanes_before = q.lanes_used;
-                        q.push_lane(l, now + d, seq);
+                        q.push_lane(l, now + d, l as u64);
                         prop_assert_eq!(q.len(), before + 1);
-                        if q.lanes_used > lanes_before {
-                            lane_seq[l] = seq;
+                        let held = q.lanes_used > lanes_before;
+                        prop_assert_eq!(held, d > 0 && !model.entries.iter().any(|e| e.2 && e.1 == l as u64));
+                        model.entries.push((now + d, l as u64, held));
+                    }
+                    Op::MoveLane(l, d) => {
+                        let held = model.entries.iter().position(|e| e.2 && e.1 == l as u64);
+                        let moved = q.move_lane(l, now + d);
+                        prop_assert_eq!(moved, held.is_some() && d > 0);
+                        if moved {
+                            model.entries[held.unwrap()].0 = now + d;
                         }
-                        model.push(Reverse((now + d, seq)));
                     }
                     Op::Pop => {
-                        let got = q.pop(|l| lane_seq[l]);
-                        prop_assert_eq!(got, model.pop().map(|Reverse(k)| k));
+                        let got = q.pop(|l| l as u64);
+                        prop_assert_eq!(got, model.pop());
                         if let Some((at, _)) = got {
                             now = at;
                         }
                     }
                 }
-                prop_assert_eq!(q.len(), model.len());
+                prop_assert_eq!(q.len(), model.entries.len());
             }
-            while let Some(Reverse(k)) = model.pop() {
-                prop_assert_eq!(q.pop(|l| lane_seq[l]), Some(k));
+            while let Some(k) = model.pop() {
+                prop_assert_eq!(q.pop(|l| l as u64), Some(k));
             }
-            prop_assert!(q.pop(|l| lane_seq[l]).is_none());
+            prop_assert!(q.pop(|l| l as u64).is_none());
         }
     }
 }
