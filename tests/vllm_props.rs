@@ -61,6 +61,22 @@ fn op(handoffs: bool) -> BoxedStrategy<Op> {
     .boxed()
 }
 
+/// Long decodes and few commands: mostly steps, so quiet runs (steps that only advance
+/// decodes) are common.
+fn decode_heavy_op() -> BoxedStrategy<Op> {
+    let h = 0..HANDOFFS;
+    prop_oneof![
+        2 => (1u32..400, 20u32..300, trace(), Just(false))
+            .prop_map(|(input, output, trace, reuse_id)| Op::Submit { input, output, trace, reuse_id }),
+        12 => (0u32..2000).prop_map(|idle_us| Op::Step { idle_us }),
+        1 => (h.clone(), 1u32..400, 20u32..300, trace())
+            .prop_map(|(h, input, output, trace)| Op::Reserve { h, input, output, trace }),
+        1 => h.clone().prop_map(|h| Op::Activate { h }),
+        1 => h.prop_map(|h| Op::CancelDest { h }),
+    ]
+    .boxed()
+}
+
 fn config() -> impl Strategy<Value = VllmConfig> {
     (
         24u32..96,
@@ -95,8 +111,27 @@ fn seed() -> u64 {
     s
 }
 
+/// How a `Step` op steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stepping {
+    /// One step.
+    One,
+    /// When the core promises a quiet run, that many steps, one `step()` each, each checked
+    /// against the promise; otherwise one step.
+    QuietOneByOne,
+    /// When the core promises a quiet run, `advance_quiet` once and the promised fact that
+    /// many times; otherwise one step.
+    QuietAtOnce,
+}
+
 /// Runs the ops, checking after every call; then ends every handoff and drains.
 fn run(cfg: VllmConfig, ops: &[Op]) -> Harness {
+    run_stepping(cfg, ops, Stepping::One).0
+}
+
+/// Like `run`; also returns how many steps were promised quiet.
+fn run_stepping(cfg: VllmConfig, ops: &[Op], stepping: Stepping) -> (Harness, u64) {
+    let mut quiet_total = 0;
     let mut hx = Harness::new(cfg);
     let mut next_id = 1u64;
     for (i, o) in ops.iter().enumerate() {
@@ -140,7 +175,30 @@ fn run(cfg: VllmConfig, ops: &[Op]) -> Harness {
             }
             Op::Step { idle_us } => {
                 hx.now_ns += idle_us as u64 * 1000;
-                hx.step();
+                match (stepping, hx.core.quiet_steps()) {
+                    (Stepping::One, _) | (_, None) => {
+                        hx.step();
+                    }
+                    (Stepping::QuietOneByOne, Some(q)) => {
+                        quiet_total += q.steps;
+                        for k in 0..q.steps {
+                            let out = hx.step();
+                            assert_eq!(
+                                (out.effects.facts.as_slice(), out.effects.outputs.len(), out.duration_ns),
+                                (std::slice::from_ref(&q.fact()), 0, q.duration_ns),
+                                "{what}: quiet step {k} of {q:?} broke the promise"
+                            );
+                        }
+                    }
+                    (Stepping::QuietAtOnce, Some(q)) => {
+                        quiet_total += q.steps;
+                        hx.core.advance_quiet(q.steps);
+                        let facts = vec![q.fact(); q.steps as usize];
+                        hx.absorb(&facts, &[], &what);
+                        // As `Harness::step` moves the clock.
+                        hx.now_ns += q.steps * q.duration_ns.max(1_000_000);
+                    }
+                }
             }
         }
     }
@@ -167,7 +225,7 @@ fn run(cfg: VllmConfig, ops: &[Op]) -> Harness {
         let counts: Vec<_> = names.iter().map(|n| format!("{n}={}", hx.count(n))).collect();
         eprintln!("STATS {}", counts.join(" "));
     }
-    hx
+    (hx, quiet_total)
 }
 
 /// Every pin and every reservation ends exactly once; every queued reservation leaves the FIFO
@@ -241,6 +299,27 @@ proptest! {
         // Determinism: the same inputs give the same facts.
         let again = run(cfg, &ops);
         prop_assert_eq!(&hx.log, &again.log);
+    }
+
+    /// A quiet run promised by `quiet_steps` holds step by step (each step writes exactly the
+    /// promised fact and nothing else), and applying it at once with `advance_quiet` leaves a
+    /// core that behaves identically under every later call: same facts, same outputs.
+    #[test]
+    fn quiet_runs_at_once_equal_step_by_step(
+        cfg in config(),
+        ops in prop_oneof![
+            prop::collection::vec(op(true), 1..70),
+            prop::collection::vec(decode_heavy_op(), 1..120),
+        ],
+    ) {
+        let (one_by_one, q1) = run_stepping(cfg, &ops, Stepping::QuietOneByOne);
+        let (at_once, q2) = run_stepping(cfg, &ops, Stepping::QuietAtOnce);
+        prop_assert_eq!(q1, q2);
+        prop_assert_eq!(&one_by_one.log, &at_once.log);
+        prop_assert_eq!(&one_by_one.outputs, &at_once.outputs);
+        prop_assert_eq!(one_by_one.now_ns, at_once.now_ns);
+        check_lifecycles(&at_once);
+        check_drained(&at_once);
     }
 
     /// Disabled policy: plain submits and steps never produce a handoff fact or output.

@@ -125,6 +125,30 @@ pub struct StepOutput {
     pub duration_ns: u64,
 }
 
+/// A run of steps that would each repeat the step just taken exactly: the same decode batch,
+/// no prefill, no block allocated or published, no token that ends or starts anything, the
+/// same duration. See [`EngineCore::quiet_steps`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuietSteps {
+    /// How many such steps follow, at most (at least 1).
+    pub steps: u64,
+    pub batch: u32,
+    pub duration_ns: u64,
+}
+
+impl QuietSteps {
+    /// The fact each of these steps writes.
+    pub fn fact(&self) -> crate::events::Fact {
+        crate::events::Fact::StepExecuted {
+            prefill_tokens: 0,
+            decode_tokens: self.batch,
+            batch_size: self.batch,
+            duration_ns: self.duration_ns,
+            kv: crate::events::KvDelta::ZERO,
+        }
+    }
+}
+
 /// The scheduler's queues, as counts. The scheduler-view fold must reproduce them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SchedulerView {
@@ -193,6 +217,22 @@ pub trait EngineCore {
     /// The same figures recounted from the core's block structures (slow; tests and audits).
     fn audit(&self) -> KvCapacitySnapshot;
     fn view(&self) -> SchedulerView;
+
+    /// If no command reaches the core, how many of the next steps would write exactly
+    /// [`QuietSteps::fact`] and nothing else, and change the core only by advancing each
+    /// running request one decode token? `None` when the next step is not such a step (or the
+    /// core does not tell). A replay uses it to apply such steps in one go, later
+    /// ([`EngineCore::advance_quiet`]), instead of one event each.
+    fn quiet_steps(&self) -> Option<QuietSteps> {
+        None
+    }
+
+    /// Applies `steps` quiet steps at once: exactly what `steps` calls of
+    /// [`EngineCore::step`] would do, given that [`EngineCore::quiet_steps`] promised at least
+    /// that many and no command came in between.
+    fn advance_quiet(&mut self, steps: u64) {
+        let _ = steps;
+    }
 
     /// Hands back an emptied [`Effects`] (its vectors keep their capacity) for the core to
     /// fill again: a replay runs millions of steps, and this saves their allocations. A core

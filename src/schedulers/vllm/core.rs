@@ -62,7 +62,7 @@ use crate::ids::{
 use crate::projections::capacity::KvCapacitySnapshot;
 use crate::schedulers::request::{decode_block_hash, ROOT_HASH};
 use crate::schedulers::{
-    CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, Request,
+    CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, QuietSteps, Request,
     ReservationSummary, SchedulerView, StepOutput, StepShape, TimingModel,
 };
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -1319,6 +1319,62 @@ impl EngineCore for VllmCore {
             pending_reservations: self.pending.len() as u64,
         }
     }
+    fn quiet_steps(&self) -> Option<QuietSteps> {
+        // Nothing may be admitted, retried or accounted between steps.
+        if self.running.is_empty() || !self.waiting.is_empty() || !self.pool.is_quiet() {
+            return None;
+        }
+        if self.running.len() as u64 > self.cfg.max_num_batched_tokens as u64 {
+            return None;
+        }
+        if let Some(h) = self.pending.front() {
+            // `retry_pending` does nothing while the head was tried at this capacity epoch
+            // (quiet steps never change it).
+            match self.dests.get(h) {
+                Some(Dst::Pending { tried_epoch, .. }) if *tried_epoch == Some(self.pool.epoch()) => {}
+                _ => return None,
+            }
+        }
+        // The duration comes from the decode memo, keyed by active KV, which no quiet step
+        // changes.
+        let bs = self.bs() as u64;
+        let active_kv_tokens = self.pool.active_blocks() * bs;
+        let duration_ns = match self.last_decode_timing {
+            Some((active, ns)) if active == active_kv_tokens => ns,
+            _ => return None,
+        };
+        let mut steps = u64::MAX;
+        for id in &self.running {
+            let s = self.seqs.get(id)?;
+            if s.is_prefilling() || s.generated == 0 || matches!(s.kind, SeqKind::Source { .. }) {
+                return None;
+            }
+            let (computed, generated) = (s.computed as u64, s.generated as u64);
+            // Step `i` of the run needs `computed + i` tokens of KV in the blocks held…
+            steps = steps.min((s.blocks.len() as u64 * bs).saturating_sub(computed));
+            // …must not produce the last token (which ends the request)…
+            steps = steps.min((s.max_output() as u64).saturating_sub(generated + 1));
+            // …and must not fill the next block to hash.
+            if self.cfg.enable_prefix_caching && s.hashed < s.blocks.len() {
+                steps = steps.min(((s.hashed as u64 + 1) * bs).saturating_sub(computed + 1));
+            }
+            if steps == 0 {
+                return None;
+            }
+        }
+        Some(QuietSteps { steps, batch: self.running.len() as u32, duration_ns })
+    }
+
+    fn advance_quiet(&mut self, steps: u64) {
+        let steps = steps as u32;
+        for id in &self.running {
+            if let Some(s) = self.seqs.get_mut(id) {
+                s.computed += steps;
+                s.generated += steps;
+            }
+        }
+    }
+
     fn recycle(&mut self, mut effects: Effects) {
         effects.facts.clear();
         effects.outputs.clear();
