@@ -496,3 +496,31 @@ fn the_cli_reports_every_planned_fault_and_whether_it_fired() {
         assert!(r["canceled_requests"].as_u64().unwrap() >= 1, "{backend}: {r}");
     }
 }
+
+/// A worker that can only thrash (a request preempted and readmitted forever while another
+/// holds its KV behind it, virtual time advancing) stops the replay with the livelock named,
+/// instead of running forever; the logs written up to then are sound.
+#[test]
+fn a_livelocked_worker_stops_the_run_and_is_named() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    let o = cli()
+        .arg("replay")
+        .arg(fixture("traces/livelock.jsonl"))
+        .args(["--prefill", "1", "--decode", "3", "--config"])
+        .arg(fixture("configs/livelock.json"))
+        .arg("--out")
+        .arg(&out)
+        .timeout(std::time::Duration::from_secs(60))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("the run did not drain"), "{stderr}");
+    let first = stderr.lines().find(|l| l.contains("livelocked")).unwrap_or_else(|| panic!("{stderr}"));
+    assert!(first.contains("decode-2 livelocked: r11 was preempted"), "{first}");
+    // Every lifecycle timeout (480 s lease at most) had its chance to free something.
+    let secs: f64 = first.split(" over ").nth(1).unwrap().split(" s ").next().unwrap().parse().unwrap();
+    assert!(secs >= 481.0, "{first}");
+    cli().arg("verify").arg(&out).assert().success();
+}

@@ -145,7 +145,22 @@ struct Slot {
     sources: BTreeMap<HandoffId, SourceHandoff>,
     destinations: BTreeMap<HandoffId, DestinationHandoff>,
     zero_steps: (u64, u32),
+    /// The latest run of preemptions of one request with nothing finishing on this worker
+    /// (see [`Replay::note_preemption`]).
+    preemptions: Option<PreemptionStreak>,
 }
+
+/// A request preempted again and again, with no request finishing on its worker in between.
+#[derive(Clone, Copy, Debug)]
+struct PreemptionStreak {
+    request: RequestId,
+    since_ns: u64,
+    count: u64,
+}
+
+/// Preemptions in one streak before the streak can mean a livelock (with the time limit in
+/// [`Replay::note_preemption`]).
+const LIVELOCK_PREEMPTIONS: u64 = 1000;
 
 /// The frontend's request guard.
 struct Guard {
@@ -206,6 +221,8 @@ pub struct Replay<'a> {
     progress: Option<Progress<'a>>,
     /// Fault injection (inert without a fault plan).
     faults: FaultState,
+    /// Set when a worker is found livelocked: the run stops and says why.
+    livelock: Option<String>,
 }
 
 impl<'a> Replay<'a> {
@@ -269,6 +286,7 @@ impl<'a> Replay<'a> {
                 sources: BTreeMap::new(),
                 destinations: BTreeMap::new(),
                 zero_steps: (u64::MAX, 0),
+                preemptions: None,
             });
         }
         let router_header = header(run_id, WorkerId::ROUTER, &cfg, policy, EngineShape::none());
@@ -317,6 +335,7 @@ impl<'a> Replay<'a> {
             block_size,
             progress: None,
             faults: FaultState::new(&cfg.faults),
+            livelock: None,
             cfg,
         };
         for s in 0..r.slots.len() {
@@ -359,6 +378,14 @@ impl<'a> Replay<'a> {
         // Router bookings follow physical pins: the prefill booking lives until the core
         // reports the source released (the proposal's accounting table).
         let released = match &fact {
+            Fact::RequestPreempted { request, .. } => {
+                self.note_preemption(slot, *request, at_ns);
+                None
+            }
+            Fact::RequestFinished { .. } => {
+                self.slots[slot].preemptions = None;
+                None
+            }
             Fact::SourcePinned { handoff, .. } => {
                 self.pinned.insert(*handoff);
                 None
@@ -404,6 +431,9 @@ impl<'a> Replay<'a> {
             self.now_ns = at_ns;
             self.events += 1;
             self.handle(ev)?;
+            if self.livelock.is_some() {
+                break;
+            }
             if self.events % 4096 == 0 {
                 if let Some(p) = self.progress.as_mut() {
                     p(self.arrivals, self.now_ns);
@@ -819,6 +849,49 @@ impl<'a> Replay<'a> {
         Ok(())
     }
 
+    /// Watches for a livelock the cores cannot see: a request that gets blocks for a chunk,
+    /// then needs more than the worker can give while other requests hold their KV waiting
+    /// behind it, is preempted, readmitted first, and so on forever, with virtual time
+    /// advancing (so the zero-length-step guard never fires). Once one request has been
+    /// preempted `LIVELOCK_PREEMPTIONS` times with no request finishing on its worker, for
+    /// longer than every lifecycle timeout (so no lease, reservation or bootstrap expiry can
+    /// still free anything), the run stops and reports it as stuck.
+    fn note_preemption(&mut self, slot: usize, request: RequestId, at_ns: u64) {
+        let limit_ns = self
+            .cfg
+            .lease_ms
+            .max(self.cfg.reservation_timeout_ms)
+            .max(self.cfg.bootstrap_timeout_ms)
+            .saturating_add(1_000)
+            .saturating_mul(NS_PER_MS);
+        let sl = &mut self.slots[slot];
+        let s = match &mut sl.preemptions {
+            Some(s) if s.request == request => s,
+            streak => {
+                *streak = Some(PreemptionStreak { request, since_ns: at_ns, count: 1 });
+                return;
+            }
+        };
+        s.count += 1;
+        let (count, lasted_ns) = (s.count, at_ns.saturating_sub(s.since_ns));
+        if count >= LIVELOCK_PREEMPTIONS && lasted_ns > limit_ns {
+            let c = sl.core.snapshot();
+            let v = sl.core.view();
+            self.livelock = Some(format!(
+                "{} livelocked: {request} was preempted {count} times over {:.1} s with no request finishing on the worker; it cannot get the KV it needs while others hold theirs ({} waiting, {} running, {} waiting for remote KV; KV {} active / {} pinned / {} reserved of {} blocks)",
+                sl.id,
+                lasted_ns as f64 / 1e9,
+                v.waiting,
+                v.running,
+                v.waiting_for_remote_kv,
+                c.active_blocks,
+                c.pinned_source_blocks,
+                c.reserved_destination_blocks,
+                c.total_blocks
+            ));
+        }
+    }
+
     fn on_output(&mut self, s: usize, o: EngineOutput) -> Result<(), ReplayError> {
         let now = self.now_ns;
         match o {
@@ -1147,7 +1220,7 @@ impl<'a> Replay<'a> {
     // ----- liveness -----
 
     fn diagnose(&self) -> Vec<String> {
-        let mut out = Vec::new();
+        let mut out: Vec<String> = self.livelock.iter().cloned().collect();
         for slot in &self.slots {
             for (h, m) in &slot.sources {
                 out.push(format!(
