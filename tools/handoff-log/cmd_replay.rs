@@ -187,7 +187,13 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
     if let Some(cpu_ms) = thread_cpu_ms() {
         // The event loop's own CPU time (the log writer runs on another thread): the figure to
         // watch when tuning, as it does not depend on what else the machine is doing.
-        tracing::info!(loop_cpu_ms = cpu_ms, wall_ms, "replay finished");
+        tracing::info!(
+            loop_cpu_ms = cpu_ms,
+            wall_ms,
+            events = outcome.events,
+            coalesced_steps = outcome.coalesced_steps,
+            "replay finished"
+        );
     }
     if let Some(b) = &bar {
         b.finish_and_clear();

@@ -51,6 +51,10 @@ pub struct ReplayConfig {
     pub max_in_flight: usize,
     /// Faults to inject (see `faults`): empty for a fault-free run.
     pub faults: Vec<FaultSpec>,
+    /// Apply runs of identical decode steps in one go instead of one event each (see
+    /// `engine::QuietRun`). Logs and report are the same either way; off, the replay is
+    /// several times slower. A parity switch for tests, and a way to rule it out.
+    pub coalesce_quiet_steps: bool,
 }
 
 impl Default for ReplayConfig {
@@ -78,6 +82,7 @@ impl Default for ReplayConfig {
             arrival_speedup: 1.0,
             max_in_flight: 1_000_000,
             faults: Vec::new(),
+            coalesce_quiet_steps: true,
         }
     }
 }

@@ -40,7 +40,8 @@ use crate::router::Router;
 use crate::schedulers::sglang::SglangCore;
 use crate::schedulers::vllm::VllmCore;
 use crate::schedulers::{
-    CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, Request,
+    CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, QuietSteps, Request,
+    StepOutput,
 };
 use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
@@ -182,6 +183,9 @@ pub struct ReplayOutcome {
     /// When not drained: one line per stuck handoff or request, saying where and on what.
     pub stuck: Vec<String>,
     pub events: u64,
+    /// Of `events`, step boundaries that a quiet run applied without queuing them (see
+    /// `QuietRun`): they are in the logs like any other step.
+    pub coalesced_steps: u64,
     pub virtual_end_ns: u64,
     /// One entry per planned fault, in plan order: when it fired and what it did, or that its
     /// phase was never reached.
@@ -219,10 +223,74 @@ pub struct Replay<'a> {
     held_back: bool,
     block_size: u32,
     progress: Option<Progress<'a>>,
+    /// `events` at which the progress callback is next due.
+    next_progress: u64,
     /// Fault injection (inert without a fault plan).
     faults: FaultState,
+    /// Quiet runs in progress, by slot (see [`QuietRun`]).
+    quiet: QuietRuns,
     /// Set when a worker is found livelocked: the run stops and says why.
     livelock: Option<String>,
+}
+
+/// A worker whose steps repeat exactly: `steps` steps from `start_ns`, each `step_ns` long and
+/// each writing `fact` (and nothing else), the first already applied to the core when the run
+/// began.
+///
+/// Most of a replay's events are decode steps that change nothing but each running request's
+/// token count (no block to allocate or hash, no token that ends anything, no command in
+/// between). Instead of a boundary event, a core call and an effects round trip per step, the
+/// run keeps one boundary queued (the last step's end) and:
+/// * writes each step's fact when its boundary would have popped: before any event that comes
+///   after it in the queue's `(time, rank)` order ([`Replay::write_quiet_until`]); so every
+///   stream, the metrics fold and the event count see exactly what step-by-step replay gives;
+/// * applies the steps to the core in one go ([`EngineCore::advance_quiet`]) when the last
+///   boundary pops, or when a command reaches the worker mid-run: then the steps begun by that
+///   instant are applied, the one in flight becomes an ordinary pending step, and the
+///   command waits in the inbox for its end, as it would have.
+///
+/// Only commands touch a core (role machines, deliveries and timers reach it through them),
+/// so a run can be cut at exactly the step a command lands in.
+#[derive(Clone, Copy, Debug)]
+struct QuietRun {
+    worker: WorkerId,
+    start_ns: u64,
+    step_ns: u64,
+    steps: u64,
+    /// Facts written so far (steps `1..=written` have ended).
+    written: u64,
+    fact: QuietSteps,
+}
+
+impl QuietRun {
+    fn end_of(&self, step: u64) -> u64 {
+        self.start_ns.saturating_add(step.saturating_mul(self.step_ns))
+    }
+}
+
+/// The quiet runs, with each run's next unwritten boundary kept apart in a few contiguous
+/// words: every event pop asks for the earliest.
+struct QuietRuns {
+    enabled: bool,
+    runs: Vec<Option<QuietRun>>,
+    /// Per slot: the end of the next step whose fact is due before the run's last boundary,
+    /// `u64::MAX` when none.
+    next_at: Vec<u64>,
+    /// The minimum of `next_at`.
+    earliest_ns: u64,
+    /// Steps written by runs rather than by their own boundary event.
+    coalesced: u64,
+}
+
+impl QuietRuns {
+    fn refresh(&mut self, slot: usize) {
+        self.next_at[slot] = match &self.runs[slot] {
+            // The last step's fact is written by its own boundary event.
+            Some(q) if q.written + 1 < q.steps => q.end_of(q.written + 1),
+            _ => u64::MAX,
+        };
+        self.earliest_ns = self.next_at.iter().copied().min().unwrap_or(u64::MAX);
+    }
 }
 
 impl<'a> Replay<'a> {
@@ -334,7 +402,16 @@ impl<'a> Replay<'a> {
             held_back: false,
             block_size,
             progress: None,
+            next_progress: 4096,
             faults: FaultState::new(&cfg.faults),
+            quiet: QuietRuns {
+                // Fault phases are checked at every event boundary: keep them all.
+                enabled: cfg.coalesce_quiet_steps && cfg.faults.is_empty(),
+                runs: vec![None; workers.len()],
+                next_at: vec![u64::MAX; workers.len()],
+                earliest_ns: u64::MAX,
+                coalesced: 0,
+            },
             livelock: None,
             cfg,
         };
@@ -428,13 +505,19 @@ impl<'a> Replay<'a> {
     /// Runs to the end of the trace and until every event is handled.
     pub fn run(mut self) -> Result<ReplayOutcome, ReplayError> {
         while let Some((at_ns, ev)) = self.queue.pop(Ev::StepDone) {
+            if at_ns >= self.quiet.earliest_ns {
+                // A step boundary ranks by its worker; anything else after every boundary.
+                let rank = if let Ev::StepDone(s) = ev { s } else { usize::MAX };
+                self.write_quiet_until(at_ns, rank)?;
+            }
             self.now_ns = at_ns;
             self.events += 1;
             self.handle(ev)?;
             if self.livelock.is_some() {
                 break;
             }
-            if self.events % 4096 == 0 {
+            if self.events >= self.next_progress {
+                self.next_progress = self.events + 4096;
                 if let Some(p) = self.progress.as_mut() {
                     p(self.arrivals, self.now_ns);
                 }
@@ -444,7 +527,15 @@ impl<'a> Replay<'a> {
         let drained = stuck.is_empty();
         let faults = self.fault_reports();
         let report = self.sink.finish()?;
-        Ok(ReplayOutcome { report, drained, stuck, events: self.events, virtual_end_ns: self.now_ns, faults })
+        Ok(ReplayOutcome {
+            report,
+            drained,
+            stuck,
+            events: self.events,
+            coalesced_steps: self.quiet.coalesced,
+            virtual_end_ns: self.now_ns,
+            faults,
+        })
     }
 
     fn handle(&mut self, ev: Ev) -> Result<(), ReplayError> {
@@ -456,6 +547,9 @@ impl<'a> Replay<'a> {
         match ev {
             Ev::Arrival => self.on_arrival()?,
             Ev::StepDone(s) => {
+                if let Some(q) = self.quiet.runs[s].take() {
+                    self.finish_quiet(s, q)?;
+                }
                 self.slots[s].busy = false;
                 if let Some(effects) = self.slots[s].pending.take() {
                     self.apply_effects(s, effects)?;
@@ -468,6 +562,9 @@ impl<'a> Replay<'a> {
             }
             Ev::Command { slot, cmd, then } => {
                 if self.slots[slot].busy {
+                    if let Some(q) = self.quiet.runs[slot].take() {
+                        self.cut_quiet(slot, q)?;
+                    }
                     self.slots[slot].inbox.push_back((cmd, then));
                 } else {
                     self.execute(slot, cmd)?;
@@ -682,6 +779,18 @@ impl<'a> Replay<'a> {
             }
             let out = self.slots[s].core.step(now);
             if out.duration_ns > 0 {
+                if self.quiet.enabled {
+                    if let Some(q) = self.quiet_run(s, now, &out) {
+                        let slot = &mut self.slots[s];
+                        slot.busy = true;
+                        slot.zero_steps = (u64::MAX, 0);
+                        self.queue.push_lane(s, q.end_of(q.steps), Ev::StepDone(s));
+                        self.quiet.runs[s] = Some(q);
+                        self.quiet.refresh(s);
+                        self.recycle_effects(out.effects);
+                        return Ok(());
+                    }
+                }
                 let slot = &mut self.slots[s];
                 slot.busy = true;
                 slot.pending = Some(out.effects);
@@ -841,12 +950,18 @@ impl<'a> Replay<'a> {
         for o in effects.outputs.drain(..) {
             self.on_output(s, o)?;
         }
-        // The emptied vectors wait for whichever core steps next: the most recently drained
-        // buffer is the one still in cache.
+        self.recycle_effects(effects);
+        Ok(())
+    }
+
+    /// The emptied vectors wait for whichever core steps next: the most recently drained
+    /// buffer is the one still in cache.
+    fn recycle_effects(&mut self, mut effects: Effects) {
         if self.spare_effects.len() < self.slots.len() {
+            effects.facts.clear();
+            effects.outputs.clear();
             self.spare_effects.push(effects);
         }
-        Ok(())
     }
 
     /// Watches for a livelock the cores cannot see: a request that gets blocks for a chunk,
@@ -890,6 +1005,92 @@ impl<'a> Replay<'a> {
                 c.total_blocks
             ));
         }
+    }
+
+    // ----- quiet runs (see `QuietRun`) -----
+
+    /// A quiet run starting with the step just taken (`out`, begun at `now`), if that step
+    /// wrote only the fact the core says the next ones would repeat.
+    fn quiet_run(&self, s: usize, now: u64, out: &StepOutput) -> Option<QuietRun> {
+        // Cheap refusals first: this is asked after every step.
+        let [Fact::StepExecuted { prefill_tokens: 0, .. }] = out.effects.facts.as_slice() else {
+            return None;
+        };
+        if !out.effects.outputs.is_empty() {
+            return None;
+        }
+        let q = self.slots[s].core.quiet_steps()?;
+        if q.duration_ns != out.duration_ns || out.effects.facts[0] != q.fact() {
+            return None;
+        }
+        Some(QuietRun {
+            worker: self.slots[s].id,
+            start_ns: now,
+            step_ns: q.duration_ns,
+            steps: q.steps.saturating_add(1),
+            written: 0,
+            fact: q,
+        })
+    }
+
+    /// Writes every quiet step's fact whose boundary comes before `(at_ns, rank)` in the
+    /// queue's order (boundaries rank by worker), across workers in that same order.
+    fn write_quiet_until(&mut self, at_ns: u64, rank: usize) -> Result<(), ReplayError> {
+        loop {
+            let mut best = (u64::MAX, usize::MAX);
+            for (i, &t) in self.quiet.next_at.iter().enumerate() {
+                if t < best.0 {
+                    best = (t, i);
+                }
+            }
+            if best >= (at_ns, rank) {
+                return Ok(());
+            }
+            let (t, s) = best;
+            let Some(q) = self.quiet.runs[s].as_mut() else {
+                return Err(ReplayError::Engine(format!("quiet run of slot {s} vanished")));
+            };
+            q.written += 1;
+            let (worker, fact) = (q.worker, q.fact.fact());
+            self.quiet.refresh(s);
+            self.events += 1;
+            self.quiet.coalesced += 1;
+            self.sink.push(worker, t, fact)?;
+        }
+    }
+
+    /// The run's last boundary popped: the earlier facts are written; apply the run to the
+    /// core and write the last step's fact.
+    fn finish_quiet(&mut self, s: usize, q: QuietRun) -> Result<(), ReplayError> {
+        self.quiet.refresh(s);
+        if q.written + 1 != q.steps || q.end_of(q.steps) != self.now_ns {
+            return Err(ReplayError::Engine(format!(
+                "{}: quiet run out of step ({} of {} written at t={} ns)",
+                q.worker, q.written, q.steps, self.now_ns
+            )));
+        }
+        self.slots[s].core.advance_quiet(q.steps - 1);
+        self.sink.push(q.worker, self.now_ns, q.fact.fact())
+    }
+
+    /// A command reached the worker mid-run, at `now`: every step that ended by now has its
+    /// fact written, and the steps begun by now (one more) are applied; the one in flight
+    /// becomes an ordinary pending step whose boundary is its end.
+    fn cut_quiet(&mut self, s: usize, q: QuietRun) -> Result<(), ReplayError> {
+        self.quiet.refresh(s);
+        let ended = q.written;
+        let in_flight_end = q.end_of(ended + 1);
+        if ended >= q.steps || in_flight_end <= self.now_ns || !self.queue.move_lane(s, in_flight_end) {
+            return Err(ReplayError::Engine(format!(
+                "{}: quiet run cut out of step ({} of {} written at t={} ns)",
+                q.worker, q.written, q.steps, self.now_ns
+            )));
+        }
+        self.slots[s].core.advance_quiet(ended);
+        let mut fx = self.spare_effects.pop().unwrap_or_default();
+        fx.facts.push(q.fact.fact());
+        self.slots[s].pending = Some(fx);
+        Ok(())
     }
 
     fn on_output(&mut self, s: usize, o: EngineOutput) -> Result<(), ReplayError> {
