@@ -348,7 +348,9 @@ impl VllmCore {
             match self.pool.set_hash(blk, h) {
                 Ok(None) => {
                     let parent = if b == 0 { None } else { Some(s.hashes[b - 1]) };
-                    run.get_or_insert_with(|| (parent, Vec::new())).1.push(h);
+                    // Sized for the rest of the full blocks: the run leaves with its fact,
+                    // and regrowing it from empty costs a copy per doubling.
+                    run.get_or_insert_with(|| (parent, Vec::with_capacity(full - b))).1.push(h);
                 }
                 Ok(Some(canonical)) => {
                     // One physical block per hash: keep the canonical one, drop our copy.
