@@ -266,6 +266,16 @@ impl QuietRun {
     fn end_of(&self, step: u64) -> u64 {
         self.start_ns.saturating_add(step.saturating_mul(self.step_ns))
     }
+
+    /// When the next fact is due for [`Replay::write_quiet_until`], `u64::MAX` if none: the
+    /// last step's fact is written by its own boundary event.
+    fn next_due_ns(&self) -> u64 {
+        if self.written + 1 < self.steps {
+            self.end_of(self.written + 1)
+        } else {
+            u64::MAX
+        }
+    }
 }
 
 /// The quiet runs, with each run's next unwritten boundary kept apart in a few contiguous
@@ -284,11 +294,7 @@ struct QuietRuns {
 
 impl QuietRuns {
     fn refresh(&mut self, slot: usize) {
-        self.next_at[slot] = match &self.runs[slot] {
-            // The last step's fact is written by its own boundary event.
-            Some(q) if q.written + 1 < q.steps => q.end_of(q.written + 1),
-            _ => u64::MAX,
-        };
+        self.next_at[slot] = self.runs[slot].as_ref().map_or(u64::MAX, QuietRun::next_due_ns);
         self.earliest_ns = self.next_at.iter().copied().min().unwrap_or(u64::MAX);
     }
 }
@@ -1044,6 +1050,8 @@ impl<'a> Replay<'a> {
                 }
             }
             if best >= (at_ns, rank) {
+                // `best` is the minimum of `next_at`.
+                self.quiet.earliest_ns = best.0;
                 return Ok(());
             }
             let (t, s) = best;
@@ -1052,7 +1060,8 @@ impl<'a> Replay<'a> {
             };
             q.written += 1;
             let (worker, fact) = (q.worker, q.fact.fact());
-            self.quiet.refresh(s);
+            // `earliest_ns` is brought up to date when the loop ends.
+            self.quiet.next_at[s] = q.next_due_ns();
             self.events += 1;
             self.quiet.coalesced += 1;
             self.sink.push(worker, t, fact)?;
