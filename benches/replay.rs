@@ -34,8 +34,10 @@ fn config(backend: Backend, coalesce: bool) -> ReplayConfig {
 fn replay(trace: &[u8], backend: Backend, coalesce: bool, out: &Path) -> u64 {
     let reader: Box<dyn BufRead> = Box::new(Cursor::new(trace.to_vec()));
     let trace = TraceReader::new(reader, trace_path(), TraceOptions::default()).expect("trace");
-    let outcome =
-        Replay::new(config(backend, coalesce), trace, out, None).expect("replay setup").run().expect("replay run");
+    let outcome = Replay::new(config(backend, coalesce), trace, out, None)
+        .expect("replay setup")
+        .run()
+        .expect("replay run");
     assert!(outcome.drained, "replay did not drain: {:?}", outcome.stuck);
     outcome.events
 }
@@ -45,8 +47,11 @@ fn bench_replay(c: &mut Criterion) {
     let mut g = c.benchmark_group("replay_mooncake200_2p2d");
     g.sample_size(10);
     g.throughput(Throughput::Elements(REQUESTS));
-    let cases =
-        [("vllm", Backend::Vllm, true), ("vllm_stepwise", Backend::Vllm, false), ("sglang", Backend::Sglang, true)];
+    let cases = [
+        ("vllm", Backend::Vllm, true),
+        ("vllm_stepwise", Backend::Vllm, false),
+        ("sglang", Backend::Sglang, true),
+    ];
     for (name, backend, coalesce) in cases {
         g.bench_function(name, |b| {
             b.iter_batched(
