@@ -233,9 +233,9 @@ pub struct Replay<'a> {
     livelock: Option<String>,
 }
 
-/// A worker whose steps repeat exactly: `steps` steps from `start_ns`, each `step_ns` long and
-/// each writing `fact` (and nothing else), the first already applied to the core when the run
-/// began.
+/// A worker whose steps repeat exactly: `steps` steps from `start_ns`, each as long as and
+/// writing the fact of `fact` (and nothing else), the first already applied to the core when
+/// the run began.
 ///
 /// Most of a replay's events are decode steps that change nothing but each running request's
 /// token count (no block to allocate or hash, no token that ends anything, no command in
@@ -255,7 +255,6 @@ pub struct Replay<'a> {
 struct QuietRun {
     worker: WorkerId,
     start_ns: u64,
-    step_ns: u64,
     steps: u64,
     /// Facts written so far (steps `1..=written` have ended).
     written: u64,
@@ -264,7 +263,7 @@ struct QuietRun {
 
 impl QuietRun {
     fn end_of(&self, step: u64) -> u64 {
-        self.start_ns.saturating_add(step.saturating_mul(self.step_ns))
+        self.start_ns.saturating_add(step.saturating_mul(self.fact.duration_ns))
     }
 
     /// When the next fact is due for [`Replay::write_quiet_until`], `u64::MAX` if none: the
@@ -1032,7 +1031,6 @@ impl<'a> Replay<'a> {
         Some(QuietRun {
             worker: self.slots[s].id,
             start_ns: now,
-            step_ns: q.duration_ns,
             steps: q.steps.saturating_add(1),
             written: 0,
             fact: q,
