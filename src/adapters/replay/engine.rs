@@ -151,7 +151,8 @@ struct Slot {
     preemptions: Option<PreemptionStreak>,
 }
 
-/// A request preempted again and again, with no request finishing on its worker in between.
+/// A request preempted again and again, with no request on its worker finishing, pinning its
+/// prefill or getting its first token in between.
 #[derive(Clone, Copy, Debug)]
 struct PreemptionStreak {
     request: RequestId,
@@ -464,11 +465,14 @@ impl<'a> Replay<'a> {
                 self.note_preemption(slot, *request, at_ns);
                 None
             }
-            Fact::RequestFinished { .. } => {
+            // Progress on the worker: a request finished, pinned its prefill or got its first
+            // token.
+            Fact::RequestFinished { .. } | Fact::FirstTokenEmitted { .. } => {
                 self.slots[slot].preemptions = None;
                 None
             }
             Fact::SourcePinned { handoff, .. } => {
+                self.slots[slot].preemptions = None;
                 self.pinned.insert(*handoff);
                 None
             }
@@ -973,7 +977,8 @@ impl<'a> Replay<'a> {
     /// then needs more than the worker can give while other requests hold their KV waiting
     /// behind it, is preempted, readmitted first, and so on forever, with virtual time
     /// advancing (so the zero-length-step guard never fires). Once one request has been
-    /// preempted `LIVELOCK_PREEMPTIONS` times with no request finishing on its worker, for
+    /// preempted `LIVELOCK_PREEMPTIONS` times with no request on its worker finishing, pinning
+    /// its prefill or getting its first token, for
     /// longer than every lifecycle timeout (so no lease, reservation or bootstrap expiry can
     /// still free anything), the run stops and reports it as stuck.
     fn note_preemption(&mut self, slot: usize, request: RequestId, at_ns: u64) {
@@ -998,7 +1003,7 @@ impl<'a> Replay<'a> {
             let c = sl.core.snapshot();
             let v = sl.core.view();
             self.livelock = Some(format!(
-                "{} livelocked: {request} was preempted {count} times over {:.1} s with no request finishing on the worker; it cannot get the KV it needs while others hold theirs ({} waiting, {} running, {} waiting for remote KV; KV {} active / {} pinned / {} reserved of {} blocks)",
+                "{} livelocked: {request} was preempted {count} times over {:.1} s with no request on the worker making progress; it cannot get the KV it needs while others hold theirs ({} waiting, {} running, {} waiting for remote KV; KV {} active / {} pinned / {} reserved of {} blocks)",
                 sl.id,
                 lasted_ns as f64 / 1e9,
                 v.waiting,
