@@ -185,7 +185,7 @@ fn run_stepping(cfg: VllmConfig, ops: &[Op], stepping: Stepping) -> (Harness, u6
                             let out = hx.step();
                             assert_eq!(
                                 (out.effects.facts.as_slice(), out.effects.outputs.len(), out.duration_ns),
-                                (std::slice::from_ref(&q.fact()), 0, q.duration_ns),
+                                (std::slice::from_ref(&q.fact(k)), 0, q.duration_ns(k)),
                                 "{what}: quiet step {k} of {q:?} broke the promise"
                             );
                         }
@@ -193,10 +193,10 @@ fn run_stepping(cfg: VllmConfig, ops: &[Op], stepping: Stepping) -> (Harness, u6
                     (Stepping::QuietAtOnce, Some(q)) => {
                         quiet_total += q.steps;
                         hx.core.advance_quiet(q.steps);
-                        let facts = vec![q.fact(); q.steps as usize];
+                        let facts: Vec<_> = (0..q.steps).map(|k| q.fact(k)).collect();
                         hx.absorb(&facts, &[], &what);
                         // As `Harness::step` moves the clock.
-                        hx.now_ns += q.steps * q.duration_ns.max(1_000_000);
+                        hx.now_ns += (0..q.steps).map(|k| q.duration_ns(k).max(1_000_000)).sum::<u64>();
                     }
                 }
             }

@@ -125,25 +125,51 @@ pub struct StepOutput {
     pub duration_ns: u64,
 }
 
-/// A run of steps that would each repeat the step just taken exactly: the same decode batch,
-/// no prefill, no block allocated or published, no token that ends or starts anything, the
-/// same duration. See [`EngineCore::quiet_steps`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A run of decode steps that each only advance every running request by one token: the same
+/// batch, no prefill, no block or page allocated or published, no token that ends or starts
+/// anything. Only their durations may differ (a timing model may charge for the KV growing
+/// token by token). See [`EngineCore::quiet_steps`].
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct QuietSteps {
     /// How many such steps follow, at most (at least 1).
     pub steps: u64,
     pub batch: u32,
-    pub duration_ns: u64,
+    pub durations: QuietDurations,
+}
+
+/// The steps' durations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum QuietDurations {
+    /// Every step takes this long.
+    Same(u64),
+    /// Step `i` takes the `i`th value (one per step).
+    Each(Vec<u64>),
 }
 
 impl QuietSteps {
-    /// The fact each of these steps writes.
-    pub fn fact(&self) -> crate::events::Fact {
+    /// How long step `i` (from 0) takes.
+    pub fn duration_ns(&self, i: u64) -> u64 {
+        match &self.durations {
+            QuietDurations::Same(ns) => *ns,
+            QuietDurations::Each(v) => v.get(i as usize).copied().unwrap_or(0),
+        }
+    }
+
+    /// How long steps `0..n` take together.
+    pub fn total_ns(&self, n: u64) -> u64 {
+        match &self.durations {
+            QuietDurations::Same(ns) => n.saturating_mul(*ns),
+            QuietDurations::Each(v) => v.iter().take(n as usize).fold(0u64, |a, d| a.saturating_add(*d)),
+        }
+    }
+
+    /// The fact step `i` writes.
+    pub fn fact(&self, i: u64) -> crate::events::Fact {
         crate::events::Fact::StepExecuted {
             prefill_tokens: 0,
             decode_tokens: self.batch,
             batch_size: self.batch,
-            duration_ns: self.duration_ns,
+            duration_ns: self.duration_ns(i),
             kv: crate::events::KvDelta::ZERO,
         }
     }
@@ -218,9 +244,9 @@ pub trait EngineCore {
     fn audit(&self) -> KvCapacitySnapshot;
     fn view(&self) -> SchedulerView;
 
-    /// If no command reaches the core, how many of the next steps would write exactly
+    /// If no command reaches the core, how many of the next steps would each write exactly
     /// [`QuietSteps::fact`] and nothing else, and change the core only by advancing each
-    /// running request one decode token? `None` when the next step is not such a step (or the
+    /// running request one decode token (and whatever per-step bookkeeping `step` keeps)? `None` when the next step is not such a step (or the
     /// core does not tell). A replay uses it to apply such steps in one go, later
     /// ([`EngineCore::advance_quiet`]), instead of one event each.
     fn quiet_steps(&self) -> Option<QuietSteps> {

@@ -40,8 +40,8 @@ use crate::router::Router;
 use crate::schedulers::sglang::SglangCore;
 use crate::schedulers::vllm::VllmCore;
 use crate::schedulers::{
-    CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, QuietSteps, Request,
-    StepOutput,
+    CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, QuietDurations,
+    QuietSteps, Request, StepOutput,
 };
 use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
@@ -234,14 +234,14 @@ pub struct Replay<'a> {
     livelock: Option<String>,
 }
 
-/// A worker whose steps repeat exactly: `steps` steps from `start_ns`, each as long as and
-/// writing the fact of `fact` (and nothing else), the first already applied to the core when
-/// the run began.
+/// A worker in a run of quiet steps: `steps` steps from `start_ns`, the first an ordinary step
+/// already applied to the core when the run began (`first`, its only fact), the others decode
+/// steps that the core promised would each only advance every running request by a token and
+/// write `rest.fact(i)` (see [`EngineCore::quiet_steps`]).
 ///
-/// Most of a replay's events are decode steps that change nothing but each running request's
-/// token count (no block to allocate or hash, no token that ends anything, no command in
-/// between). Instead of a boundary event, a core call and an effects round trip per step, the
-/// run keeps one boundary queued (the last step's end) and:
+/// Most of a replay's events are such steps (no block to allocate or hash, no token that ends
+/// anything, no command in between). Instead of a boundary event, a core call and an effects
+/// round trip per step, the run keeps one boundary queued (the last step's end) and:
 /// * writes each step's fact when its boundary would have popped: before any event that comes
 ///   after it in the queue's `(time, rank)` order ([`Replay::write_quiet_until`]); so every
 ///   stream, the metrics fold and the event count see exactly what step-by-step replay gives;
@@ -252,19 +252,52 @@ pub struct Replay<'a> {
 ///
 /// Only commands touch a core (role machines, deliveries and timers reach it through them),
 /// so a run can be cut at exactly the step a command lands in.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct QuietRun {
     worker: WorkerId,
     start_ns: u64,
+    first: Fact,
+    first_ns: u64,
+    rest: QuietSteps,
     steps: u64,
     /// Facts written so far (steps `1..=written` have ended).
     written: u64,
-    fact: QuietSteps,
+    /// Each step's end when the promised durations differ (`ends[j - 1]` for step `j`); empty
+    /// when they are all the same.
+    ends: Vec<u64>,
 }
 
 impl QuietRun {
+    fn new(worker: WorkerId, start_ns: u64, first: Fact, first_ns: u64, rest: QuietSteps) -> Self {
+        let steps = rest.steps.saturating_add(1);
+        let mut ends = Vec::new();
+        if let QuietDurations::Each(d) = &rest.durations {
+            let mut at = start_ns.saturating_add(first_ns);
+            ends.reserve(d.len() + 1);
+            ends.push(at);
+            for ns in d {
+                at = at.saturating_add(*ns);
+                ends.push(at);
+            }
+        }
+        QuietRun { worker, start_ns, first, first_ns, rest, steps, written: 0, ends }
+    }
+
+    /// When step `step` (from 1) ends.
     fn end_of(&self, step: u64) -> u64 {
-        self.start_ns.saturating_add(step.saturating_mul(self.fact.duration_ns))
+        match self.ends.get(step.wrapping_sub(1) as usize) {
+            Some(&at) => at,
+            None => self.start_ns.saturating_add(self.first_ns).saturating_add(self.rest.total_ns(step - 1)),
+        }
+    }
+
+    /// The fact step `step` (from 1) writes.
+    fn fact_of(&self, step: u64) -> Fact {
+        if step <= 1 {
+            self.first.clone()
+        } else {
+            self.rest.fact(step - 2)
+        }
     }
 
     /// When the next fact is due for [`Replay::write_quiet_until`], `u64::MAX` if none: the
@@ -1020,26 +1053,18 @@ impl<'a> Replay<'a> {
     // ----- quiet runs (see `QuietRun`) -----
 
     /// A quiet run starting with the step just taken (`out`, begun at `now`), if that step
-    /// wrote only the fact the core says the next ones would repeat.
+    /// wrote one fact and no output (so the fact can wait for its boundary like the others) and
+    /// the core promises quiet steps after it.
     fn quiet_run(&self, s: usize, now: u64, out: &StepOutput) -> Option<QuietRun> {
         // Cheap refusals first: this is asked after every step.
-        let [Fact::StepExecuted { prefill_tokens: 0, .. }] = out.effects.facts.as_slice() else {
+        let [first @ Fact::StepExecuted { .. }] = out.effects.facts.as_slice() else {
             return None;
         };
         if !out.effects.outputs.is_empty() {
             return None;
         }
-        let q = self.slots[s].core.quiet_steps()?;
-        if q.duration_ns != out.duration_ns || out.effects.facts[0] != q.fact() {
-            return None;
-        }
-        Some(QuietRun {
-            worker: self.slots[s].id,
-            start_ns: now,
-            steps: q.steps.saturating_add(1),
-            written: 0,
-            fact: q,
-        })
+        let rest = self.slots[s].core.quiet_steps()?;
+        Some(QuietRun::new(self.slots[s].id, now, first.clone(), out.duration_ns, rest))
     }
 
     /// Writes every quiet step's fact whose boundary comes before `(at_ns, rank)` in the
@@ -1062,7 +1087,7 @@ impl<'a> Replay<'a> {
                 return Err(ReplayError::Engine(format!("quiet run of slot {s} vanished")));
             };
             q.written += 1;
-            let (worker, fact) = (q.worker, q.fact.fact());
+            let (worker, fact) = (q.worker, q.fact_of(q.written));
             // `earliest_ns` is brought up to date when the loop ends.
             self.quiet.next_at[s] = q.next_due_ns();
             self.events += 1;
@@ -1082,7 +1107,7 @@ impl<'a> Replay<'a> {
             )));
         }
         self.slots[s].core.advance_quiet(q.steps - 1);
-        self.sink.push(q.worker, self.now_ns, q.fact.fact())
+        self.sink.push(q.worker, self.now_ns, q.fact_of(q.steps))
     }
 
     /// A command reached the worker mid-run, at `now`: every step that ended by now has its
@@ -1100,7 +1125,7 @@ impl<'a> Replay<'a> {
         }
         self.slots[s].core.advance_quiet(ended);
         let mut fx = self.spare_effects.pop().unwrap_or_default();
-        fx.facts.push(q.fact.fact());
+        fx.facts.push(q.fact_of(ended + 1));
         self.slots[s].pending = Some(fx);
         Ok(())
     }

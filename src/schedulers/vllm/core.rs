@@ -62,8 +62,8 @@ use crate::ids::{
 use crate::projections::capacity::KvCapacitySnapshot;
 use crate::schedulers::request::{decode_block_hash, ROOT_HASH};
 use crate::schedulers::{
-    CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, QuietSteps, Request,
-    ReservationSummary, SchedulerView, StepOutput, StepShape, TimingModel,
+    CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, QuietDurations,
+    QuietSteps, Request, ReservationSummary, SchedulerView, StepOutput, StepShape, TimingModel,
 };
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
@@ -1364,7 +1364,11 @@ impl EngineCore for VllmCore {
                 return None;
             }
         }
-        Some(QuietSteps { steps, batch: self.running.len() as u32, duration_ns })
+        Some(QuietSteps {
+            steps,
+            batch: self.running.len() as u32,
+            durations: QuietDurations::Same(duration_ns),
+        })
     }
 
     fn advance_quiet(&mut self, steps: u64) {
