@@ -7,7 +7,7 @@ mod sglang_common;
 
 use handoff_ledger::events::Fact;
 use handoff_ledger::ids::{CancelReason, EndReason, HandoffId};
-use handoff_ledger::schedulers::{CommandError, EngineCore};
+use handoff_ledger::schedulers::{CommandError, Effects, EngineCore};
 use proptest::prelude::*;
 use sglang_common::*;
 use std::collections::BTreeMap;
@@ -45,7 +45,54 @@ fn pick(list: &[HandoffId], i: usize) -> HandoffId {
     list.get(i).copied().unwrap_or(hid(9_999_000 + i as u64))
 }
 
+/// How a `Step` op steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stepping {
+    /// One step.
+    One,
+    /// When the core promises quiet steps, that many `step()` calls, each checked against the
+    /// promise; otherwise one step.
+    QuietOneByOne,
+    /// When the core promises quiet steps, one `advance_quiet` and the promised facts;
+    /// otherwise one step.
+    QuietAtOnce,
+}
+
+fn step_op(c: &mut Checked, now: &mut u64, stepping: Stepping, quiet: &mut u64) {
+    match (stepping, c.core.quiet_steps()) {
+        (Stepping::One, _) | (_, None) => {
+            let d = c.step(*now).duration_ns;
+            *now += d;
+        }
+        (Stepping::QuietOneByOne, Some(q)) => {
+            *quiet += q.steps;
+            for k in 0..q.steps {
+                let out = c.step(*now);
+                assert_eq!(
+                    (out.effects.facts.as_slice(), out.effects.outputs.len(), out.duration_ns),
+                    (std::slice::from_ref(&q.fact(k)), 0, q.duration_ns(k)),
+                    "quiet step {k} of {q:?} broke the promise"
+                );
+                *now += out.duration_ns;
+            }
+        }
+        (Stepping::QuietAtOnce, Some(q)) => {
+            *quiet += q.steps;
+            c.core.advance_quiet(q.steps);
+            let facts = (0..q.steps).map(|k| q.fact(k)).collect();
+            c.absorb(&Effects { facts, outputs: Vec::new() });
+            *now += q.total_ns(q.steps);
+        }
+    }
+}
+
 fn run(ops: &[Op]) -> Checked {
+    run_stepping(ops, Stepping::One).0
+}
+
+/// Like `run`; also returns how many steps were promised quiet.
+fn run_stepping(ops: &[Op], stepping: Stepping) -> (Checked, u64) {
+    let mut quiet = 0;
     let mut c = Checked::new(small_config());
     let mut now = 0u64;
     let mut next_id = 0u64;
@@ -89,14 +136,10 @@ fn run(ops: &[Op]) -> Checked {
             Op::CancelDest(i) => {
                 c.cmd(|k| k.cancel_destination(pick(&dsts, i), CancelReason::TransferFailed, now));
             }
-            Op::Step => {
-                let d = c.step(now).duration_ns;
-                now += d;
-            }
+            Op::Step => step_op(&mut c, &mut now, stepping, &mut quiet),
             Op::Step4 => {
                 for _ in 0..4 {
-                    let d = c.step(now).duration_ns;
-                    now += d;
+                    step_op(&mut c, &mut now, stepping, &mut quiet);
                 }
             }
         }
@@ -126,7 +169,7 @@ fn run(ops: &[Op]) -> Checked {
         steps += 1;
         assert!(steps < 20_000, "did not drain: view {:?}", c.core.view());
     }
-    c
+    (c, quiet)
 }
 
 fn check_end(c: &Checked) {
@@ -173,6 +216,19 @@ proptest! {
         check_end(&c);
         let d = c.total_delta();
         prop_assert_eq!(d.active + d.pinned_source + d.reserved_destination, 0);
+    }
+
+    /// Quiet steps hold their promise one by one (each writes exactly the promised fact, no
+    /// output, the promised duration), and applying them at once leaves a core that behaves
+    /// identically under every later call.
+    #[test]
+    fn quiet_steps_at_once_equal_step_by_step(ops in proptest::collection::vec(op(), 1..120)) {
+        let (one_by_one, q1) = run_stepping(&ops, Stepping::QuietOneByOne);
+        let (at_once, q2) = run_stepping(&ops, Stepping::QuietAtOnce);
+        prop_assert_eq!(q1, q2);
+        prop_assert_eq!(&one_by_one.facts, &at_once.facts);
+        prop_assert_eq!(one_by_one.core.new_token_ratio(), at_once.core.new_token_ratio());
+        check_end(&at_once);
     }
 
     #[test]

@@ -71,7 +71,7 @@ impl Checked {
         }
     }
 
-    fn absorb(&mut self, eff: &Effects) {
+    pub fn absorb(&mut self, eff: &Effects) {
         self.calls += 1;
         for f in &eff.facts {
             let d = f.kv_delta();

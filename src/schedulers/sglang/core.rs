@@ -9,8 +9,8 @@ use crate::ids::{
 use crate::projections::capacity::KvCapacitySnapshot;
 use crate::schedulers::request::{decode_block_hash, ROOT_HASH};
 use crate::schedulers::{
-    CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, Request,
-    ReservationSummary, SchedulerView, StepOutput, StepShape, TimingModel,
+    CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, QuietDurations,
+    QuietSteps, Request, ReservationSummary, SchedulerView, StepOutput, StepShape, TimingModel,
 };
 use std::collections::{BTreeMap, HashSet, VecDeque};
 
@@ -268,6 +268,13 @@ impl SglangCore {
             let blocks = std::mem::take(&mut self.pool.removed);
             eff.facts.push(Fact::KvRemoved { blocks });
         }
+    }
+
+    /// One decode step without retraction lowers `new_token_ratio` toward its floor.
+    fn decay_new_token_ratio(&mut self) {
+        let decay = (self.cfg.init_new_token_ratio - self.cfg.min_new_token_ratio)
+            / self.cfg.new_token_ratio_decay_steps as f64;
+        self.new_token_ratio = (self.new_token_ratio - decay).max(self.cfg.min_new_token_ratio);
     }
 
     fn take_slot(&mut self) {
@@ -1008,9 +1015,7 @@ impl EngineCore for SglangCore {
             if retracted {
                 self.new_token_ratio = self.cfg.init_new_token_ratio;
             } else {
-                let decay = (self.cfg.init_new_token_ratio - self.cfg.min_new_token_ratio)
-                    / self.cfg.new_token_ratio_decay_steps as f64;
-                self.new_token_ratio = (self.new_token_ratio - decay).max(self.cfg.min_new_token_ratio);
+                self.decay_new_token_ratio();
             }
             let page = self.page();
             let mut active_kv = 0u64;
@@ -1092,6 +1097,68 @@ impl EngineCore for SglangCore {
         self.retry_pending(&mut eff);
         debug_assert!(self.pool.acc.is_zero(), "unattributed delta {:?}", self.pool.acc);
         StepOutput { effects: eff, duration_ns }
+    }
+
+    fn quiet_steps(&self) -> Option<QuietSteps> {
+        // Nothing to admit, activate, chunk, retry or account between steps.
+        if self.running.is_empty()
+            || !self.waiting.is_empty()
+            || self.chunking.is_some()
+            || !self.prebuilt.is_empty()
+            || !self.pool.acc.is_zero()
+            || !self.pool.removed.is_empty()
+        {
+            return None;
+        }
+        if self.pending.front().is_some_and(|head| head.last_try != Some(self.epoch())) {
+            return None;
+        }
+        let page = self.page() as u64;
+        let mut steps = u64::MAX;
+        let mut active_kv = 0u64;
+        for &k in &self.running {
+            let r = self.req(k)?;
+            let (kv, output, target) = (r.kv_len as u64, r.output as u64, r.target as u64);
+            // Step `i` of the run must not start a page (which allocates, and may retract)…
+            if kv % page == 0 {
+                return None;
+            }
+            steps = steps.min(page - kv % page);
+            // …nor produce the last token.
+            steps = steps.min(target.saturating_sub(output + 1));
+            if steps == 0 {
+                return None;
+            }
+            active_kv += kv;
+        }
+        // The timing model charges for the active KV, which grows by a token per request and
+        // step: one duration per step.
+        let n = self.running.len() as u64;
+        let durations = (0..steps)
+            .map(|i| {
+                self.cfg.timing.step_ns(&StepShape {
+                    decode_requests: n,
+                    active_kv_tokens: active_kv + i * n,
+                    total_kv_tokens: self.total_tokens(),
+                    ..StepShape::default()
+                })
+            })
+            .collect();
+        Some(QuietSteps { steps, batch: n as u32, durations: QuietDurations::Each(durations) })
+    }
+
+    fn advance_quiet(&mut self, steps: u64) {
+        let n = steps as u32;
+        for &k in &self.running {
+            if let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) {
+                r.kv_len += n;
+                r.output += n;
+            }
+        }
+        // Step by step, as `step` does: the same floating-point result.
+        for _ in 0..steps {
+            self.decay_new_token_ratio();
+        }
     }
 
     fn is_empty(&self) -> bool {
