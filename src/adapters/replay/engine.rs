@@ -589,8 +589,11 @@ impl<'a> Replay<'a> {
         match ev {
             Ev::Arrival => self.on_arrival()?,
             Ev::StepDone(s) => {
-                if let Some(q) = self.quiet.runs[s].take() {
-                    self.finish_quiet(s, q)?;
+                // (`is_some` first: taking moves the whole run, and most boundaries have none.)
+                if self.quiet.runs[s].is_some() {
+                    if let Some(q) = self.quiet.runs[s].take() {
+                        self.finish_quiet(s, q)?;
+                    }
                 }
                 self.slots[s].busy = false;
                 if let Some(effects) = self.slots[s].pending.take() {
@@ -604,8 +607,10 @@ impl<'a> Replay<'a> {
             }
             Ev::Command { slot, cmd, then } => {
                 if self.slots[slot].busy {
-                    if let Some(q) = self.quiet.runs[slot].take() {
-                        self.cut_quiet(slot, q)?;
+                    if self.quiet.runs[slot].is_some() {
+                        if let Some(q) = self.quiet.runs[slot].take() {
+                            self.cut_quiet(slot, q)?;
+                        }
                     }
                     self.slots[slot].inbox.push_back((cmd, then));
                 } else {
