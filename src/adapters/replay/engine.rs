@@ -254,14 +254,17 @@ pub struct Replay<'a> {
 /// so a run can be cut at exactly the step a command lands in.
 #[derive(Clone, Debug)]
 struct QuietRun {
+    // What writing each fact reads, first.
     worker: WorkerId,
     start_ns: u64,
-    first: Fact,
     first_ns: u64,
-    rest: QuietSteps,
     steps: u64,
     /// Facts written so far (steps `1..=written` have ended).
     written: u64,
+    /// The promised steps' common duration, 0 when they differ (then see `ends`).
+    same_ns: u64,
+    first: Fact,
+    rest: QuietSteps,
     /// Each step's end when the promised durations differ (`ends[j - 1]` for step `j`); empty
     /// when they are all the same.
     ends: Vec<u64>,
@@ -271,6 +274,10 @@ impl QuietRun {
     fn new(worker: WorkerId, start_ns: u64, first: Fact, first_ns: u64, rest: QuietSteps) -> Self {
         let steps = rest.steps.saturating_add(1);
         let mut ends = Vec::new();
+        let mut same_ns = 0;
+        if let QuietDurations::Same(ns) = rest.durations {
+            same_ns = ns;
+        }
         if let QuietDurations::Each(d) = &rest.durations {
             let mut at = start_ns.saturating_add(first_ns);
             ends.reserve(d.len() + 1);
@@ -280,15 +287,19 @@ impl QuietRun {
                 ends.push(at);
             }
         }
-        QuietRun { worker, start_ns, first, first_ns, rest, steps, written: 0, ends }
+        QuietRun { worker, start_ns, first_ns, steps, written: 0, same_ns, first, rest, ends }
     }
 
     /// When step `step` (from 1) ends.
     fn end_of(&self, step: u64) -> u64 {
-        match self.ends.get(step.wrapping_sub(1) as usize) {
-            Some(&at) => at,
-            None => self.start_ns.saturating_add(self.first_ns).saturating_add(self.rest.total_ns(step - 1)),
+        if step == 0 {
+            return self.start_ns;
         }
+        if self.same_ns > 0 {
+            let rest_ns = (step - 1).saturating_mul(self.same_ns);
+            return self.start_ns.saturating_add(self.first_ns).saturating_add(rest_ns);
+        }
+        self.ends.get(step as usize - 1).copied().unwrap_or(u64::MAX)
     }
 
     /// The fact step `step` (from 1) writes.
@@ -1069,6 +1080,14 @@ impl<'a> Replay<'a> {
             return None;
         }
         let rest = self.slots[s].core.quiet_steps()?;
+        // A step takes time (a zero-length one is the kick loop's business).
+        let zero = match &rest.durations {
+            QuietDurations::Same(ns) => *ns == 0,
+            QuietDurations::Each(d) => d.contains(&0),
+        };
+        if zero {
+            return None;
+        }
         Some(QuietRun::new(self.slots[s].id, now, first.clone(), out.duration_ns, rest))
     }
 
