@@ -155,14 +155,6 @@ impl QuietSteps {
         }
     }
 
-    /// How long steps `0..n` take together.
-    pub fn total_ns(&self, n: u64) -> u64 {
-        match &self.durations {
-            QuietDurations::Same(ns) => n.saturating_mul(*ns),
-            QuietDurations::Each(v) => v.iter().take(n as usize).fold(0u64, |a, d| a.saturating_add(*d)),
-        }
-    }
-
     /// The fact step `i` writes.
     pub fn fact(&self, i: u64) -> crate::events::Fact {
         crate::events::Fact::StepExecuted {
@@ -246,9 +238,10 @@ pub trait EngineCore {
 
     /// If no command reaches the core, how many of the next steps would each write exactly
     /// [`QuietSteps::fact`] and nothing else, and change the core only by advancing each
-    /// running request one decode token (and whatever per-step bookkeeping `step` keeps)? `None` when the next step is not such a step (or the
-    /// core does not tell). A replay uses it to apply such steps in one go, later
-    /// ([`EngineCore::advance_quiet`]), instead of one event each.
+    /// running request one decode token (and whatever per-step bookkeeping `step` keeps)?
+    /// `None` when the next step is not such a step (or the core does not tell). A replay
+    /// uses it to apply such steps in one go, later ([`EngineCore::advance_quiet`]), instead
+    /// of one event each.
     fn quiet_steps(&self) -> Option<QuietSteps> {
         None
     }

@@ -273,33 +273,29 @@ struct QuietRun {
 impl QuietRun {
     fn new(worker: WorkerId, start_ns: u64, first: Fact, first_ns: u64, rest: QuietSteps) -> Self {
         let steps = rest.steps.saturating_add(1);
-        let mut ends = Vec::new();
-        let mut same_ns = 0;
-        if let QuietDurations::Same(ns) = rest.durations {
-            same_ns = ns;
-        }
-        if let QuietDurations::Each(d) = &rest.durations {
-            let mut at = start_ns.saturating_add(first_ns);
-            ends.reserve(d.len() + 1);
-            ends.push(at);
-            for ns in d {
-                at = at.saturating_add(*ns);
-                ends.push(at);
+        let (same_ns, ends) = match &rest.durations {
+            QuietDurations::Same(ns) => (*ns, Vec::new()),
+            QuietDurations::Each(d) => {
+                let first_end = start_ns.saturating_add(first_ns);
+                let ends = std::iter::once(first_end)
+                    .chain(d.iter().scan(first_end, |at, ns| {
+                        *at = at.saturating_add(*ns);
+                        Some(*at)
+                    }))
+                    .collect();
+                (0, ends)
             }
-        }
+        };
         QuietRun { worker, start_ns, first_ns, steps, written: 0, same_ns, first, rest, ends }
     }
 
     /// When step `step` (from 1) ends.
     fn end_of(&self, step: u64) -> u64 {
-        if step == 0 {
-            return self.start_ns;
-        }
         if self.same_ns > 0 {
-            let rest_ns = (step - 1).saturating_mul(self.same_ns);
+            let rest_ns = step.saturating_sub(1).saturating_mul(self.same_ns);
             return self.start_ns.saturating_add(self.first_ns).saturating_add(rest_ns);
         }
-        self.ends.get(step as usize - 1).copied().unwrap_or(u64::MAX)
+        step.checked_sub(1).and_then(|i| self.ends.get(i as usize)).copied().unwrap_or(u64::MAX)
     }
 
     /// The fact step `step` (from 1) writes.
@@ -1027,9 +1023,9 @@ impl<'a> Replay<'a> {
     /// behind it, is preempted, readmitted first, and so on forever, with virtual time
     /// advancing (so the zero-length-step guard never fires). Once one request has been
     /// preempted `LIVELOCK_PREEMPTIONS` times with no request on its worker finishing, pinning
-    /// its prefill or getting its first token, for
-    /// longer than every lifecycle timeout (so no lease, reservation or bootstrap expiry can
-    /// still free anything), the run stops and reports it as stuck.
+    /// its prefill or getting its first token, for longer than every lifecycle timeout (so no
+    /// lease, reservation or bootstrap expiry can still free anything), the run stops and
+    /// reports it as stuck.
     fn note_preemption(&mut self, slot: usize, request: RequestId, at_ns: u64) {
         let limit_ns = self
             .cfg
