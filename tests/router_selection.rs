@@ -193,7 +193,8 @@ fn kv_prefers_the_longest_overlap() {
     // Booked decode blocks count against a worker: 40 blocks on d2 makes d0 cheaper (64 < 72).
     r.book_decode(RequestId(50), d(2), 40).unwrap();
     assert_eq!(r.select(&prompt).worker, d(0));
-    // A zero overlap weight ignores the cache: least booked wins, ties to the lowest id.
+    // A zero overlap weight ignores the cache: least booked wins (d2's cached prompt is no
+    // help to it).
     let mut r0 = Router::new(
         (0..3).map(d).collect(),
         RouterMode::KvAware { overlap_weight: 0.0, temperature: 0.0 },
@@ -202,17 +203,45 @@ fn kv_prefers_the_longest_overlap() {
     )
     .unwrap();
     r0.observe(d(2), &stored(&hashes));
-    assert_eq!(r0.select(&prompt).worker, d(0));
+    r0.book_decode(RequestId(60), d(0), 5).unwrap();
+    r0.book_decode(RequestId(61), d(2), 5).unwrap();
+    assert_eq!(r0.select(&prompt).worker, d(1));
+}
+
+/// Picks `n` times for a prompt of `tokens` tokens and counts picks per decode worker.
+fn kv_picks(r: &mut Router, n: u64, tokens: u32) -> Vec<u64> {
+    let mut counts = vec![0u64; 4];
+    for i in 0..n {
+        counts[r.select(&req(i, tokens, &[1])).worker.index as usize] += 1;
+    }
+    counts
 }
 
 #[test]
-fn kv_ties_go_to_the_lowest_worker_id() {
-    let mut r = Router::new(vec![d(3), d(1), d(2)], RouterMode::kv(), 16, 9).unwrap();
-    assert_eq!(r.select(&req(1, 100, &[1])).worker, d(1));
+fn kv_ties_are_broken_uniformly_at_random_and_by_the_seed() {
+    // No cache and no bookings: every worker costs the same. The reference picks uniformly
+    // among the tied; the lowest id taking everything would pile a light trace on one worker.
+    let seed = 9;
+    let mut r = Router::new((0..4).map(d).collect(), RouterMode::kv(), 16, seed).unwrap();
+    let counts = kv_picks(&mut r, 4000, 100);
+    assert!(counts.iter().all(|c| (850..=1150).contains(c)), "seed {seed}: {counts:?}");
+    // The same seed gives the same picks; another seed other picks.
+    let again =
+        kv_picks(&mut Router::new((0..4).map(d).collect(), RouterMode::kv(), 16, seed).unwrap(), 4000, 100);
+    assert_eq!(counts, again);
+    let other = kv_picks(
+        &mut Router::new((0..4).map(d).collect(), RouterMode::kv(), 16, seed + 1).unwrap(),
+        4000,
+        100,
+    );
+    assert_ne!(counts, other);
+    // Only the tied best take part: d2 and d3 hold the prompt, d0 and d1 never win.
     let h = req(1, 100, &[1]).prompt_block_hashes(16);
     r.observe(d(2), &stored(&h));
     r.observe(d(3), &stored(&h));
-    assert_eq!(r.select(&req(1, 100, &[1])).worker, d(2));
+    let counts = kv_picks(&mut r, 2000, 100);
+    assert_eq!(&counts[..2], &[0, 0], "seed {seed}");
+    assert!((850..=1150).contains(&counts[2]), "seed {seed}: {counts:?}");
 }
 
 #[test]

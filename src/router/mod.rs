@@ -197,7 +197,7 @@ impl Router {
                 let worker = if temperature > 0.0 {
                     select::softmax_pick(&costs, temperature, &mut self.rng)
                 } else {
-                    select::lowest_cost(costs.iter().copied())
+                    select::lowest_cost_random_tie(&costs, &mut self.rng)
                 }
                 .unwrap_or(self.workers[0]);
                 Selection { worker, overlap_blocks: overlap.get(&worker).copied().unwrap_or(0) }

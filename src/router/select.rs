@@ -18,7 +18,8 @@ pub enum RouterMode {
     /// Uniformly at random (seeded).
     Random,
     /// Lowest cost = `overlap_weight` × uncached prompt blocks + booked blocks; temperature 0
-    /// takes the minimum (ties to the lowest worker id), > 0 samples softmax(−cost / T).
+    /// takes the minimum (equal costs: one of them uniformly at random, seeded, as the
+    /// reference's selector does), > 0 samples softmax(−cost / T).
     #[serde(rename = "kv")]
     KvAware { overlap_weight: f64, temperature: f64 },
     /// Fewest booked blocks; ties to the lowest worker id.
@@ -167,6 +168,30 @@ pub fn lowest_cost(costs: impl IntoIterator<Item = (WorkerId, f64)>) -> Option<W
         match best {
             Some((_, b)) if c.total_cmp(&b).is_ge() => {}
             _ => best = Some((w, c)),
+        }
+    }
+    best.map(|(w, _)| w)
+}
+
+/// The worker with the lowest cost; among equal lowest costs one uniformly at random (a
+/// reservoir draw per tie, so the stream is consumed only when there is a tie). Without this,
+/// a light load with no shared prefixes sends every request to the first worker.
+pub fn lowest_cost_random_tie(costs: &[(WorkerId, f64)], rng: &mut ChaCha8Rng) -> Option<WorkerId> {
+    let mut best: Option<(WorkerId, f64)> = None;
+    let mut ties = 0u64;
+    for &(w, c) in costs {
+        match best {
+            Some((_, b)) if c.total_cmp(&b).is_gt() => {}
+            Some((_, b)) if c.total_cmp(&b).is_eq() => {
+                ties += 1;
+                if rng.random_range(0..ties) == 0 {
+                    best = Some((w, c));
+                }
+            }
+            _ => {
+                best = Some((w, c));
+                ties = 1;
+            }
         }
     }
     best.map(|(w, _)| w)
