@@ -79,6 +79,9 @@ enum Cmd {
 enum Ev {
     Arrival,
     StepDone(usize),
+    /// A free worker with work starts its next step: queued to run after everything else due
+    /// at its instant (see `queue`), so that requests arriving together share a step.
+    StepStart(usize),
     /// A core command; `then` are events that must wait until it is applied (messages that
     /// follow it in the same transition: "receive completed" only once activation is done).
     Command {
@@ -553,14 +556,18 @@ impl<'a> Replay<'a> {
 
     /// Runs to the end of the trace and until every event is handled.
     pub fn run(mut self) -> Result<ReplayOutcome, ReplayError> {
-        while let Some((at_ns, ev)) = self.queue.pop(Ev::StepDone) {
+        while let Some((at_ns, ev)) = self.queue.pop_with_starts(Ev::StepDone, Ev::StepStart) {
             if at_ns >= self.quiet.earliest_ns {
                 // A step boundary ranks by its worker; anything else after every boundary.
                 let rank = if let Ev::StepDone(s) = ev { s } else { usize::MAX };
                 self.write_quiet_until(at_ns, rank)?;
             }
             self.now_ns = at_ns;
-            self.events += 1;
+            // A step start is the loop's own bookkeeping, not an event of the run: a quiet run
+            // has none between its steps, and the count must not depend on coalescing.
+            if !matches!(ev, Ev::StepStart(_)) {
+                self.events += 1;
+            }
             self.handle(ev)?;
             if self.livelock.is_some() {
                 break;
@@ -610,20 +617,22 @@ impl<'a> Replay<'a> {
                     self.execute(s, cmd)?;
                     self.push_all(then);
                 }
-                self.kick(s)?;
+                self.queue.push_start(s, now);
             }
+            Ev::StepStart(s) => self.kick(s)?,
             Ev::Command { slot, cmd, then } => {
-                if self.slots[slot].busy {
-                    if self.quiet.runs[slot].is_some() {
-                        if let Some(q) = self.quiet.runs[slot].take() {
-                            self.cut_quiet(slot, q)?;
-                        }
+                if self.slots[slot].busy && self.quiet.runs[slot].is_some() {
+                    if let Some(q) = self.quiet.runs[slot].take() {
+                        // Leaves the worker free if its last step ended right now.
+                        self.cut_quiet(slot, q)?;
                     }
+                }
+                if self.slots[slot].busy {
                     self.slots[slot].inbox.push_back((cmd, then));
                 } else {
                     self.execute(slot, cmd)?;
                     self.push_all(then);
-                    self.kick(slot)?;
+                    self.queue.push_start(slot, now);
                 }
             }
             Ev::Deliver { slot, msg } => {
@@ -1136,6 +1145,23 @@ impl<'a> Replay<'a> {
     fn cut_quiet(&mut self, s: usize, q: QuietRun) -> Result<(), ReplayError> {
         self.quiet.refresh(s);
         let ended = q.written;
+        if ended >= 1 && q.end_of(ended) == self.now_ns {
+            // A step ended at this very instant and the next one would only start after
+            // everything due now (a step start ranks last): the worker is free, as it would be
+            // stepping one boundary at a time. Apply the steps that ran and take back the run's
+            // last boundary; the command is applied at once and the worker starts again later
+            // in this instant.
+            if !self.queue.cancel_lane(s) {
+                return Err(ReplayError::Engine(format!(
+                    "{}: quiet run cut out of step (no boundary queued at t={} ns)",
+                    q.worker, self.now_ns
+                )));
+            }
+            self.slots[s].core.advance_quiet(ended - 1);
+            self.slots[s].busy = false;
+            self.queue.push_start(s, self.now_ns);
+            return Ok(());
+        }
         let in_flight_end = q.end_of(ended + 1);
         if ended >= q.steps || in_flight_end <= self.now_ns || !self.queue.move_lane(s, in_flight_end) {
             return Err(ReplayError::Engine(format!(
@@ -1406,7 +1432,7 @@ impl<'a> Replay<'a> {
         };
         let waiting = self.slots[p].sources.get(&h).is_some_and(|m| m.state_name() == "NotStarted");
         if waiting {
-            self.source_event(p, h, SourceEvent::Cancelled { reason: CancelReason::PeerLost })?;
+            self.source_event(p, h, SourceEvent::Cancelled { reason: CancelReason::BootstrapTimeout })?;
         }
         Ok(())
     }

@@ -1,7 +1,10 @@
 //! The replay's event queue: events ordered by `(time, rank)`.
 //!
 //! At one instant, step boundaries come first, in worker order; every other event follows, in
-//! insertion order. A step boundary due at `t` was always queued before `t` (a step lasts a
+//! insertion order; last come step *starts*, in worker order: a worker that is free at `t`
+//! starts its next step only once everything else due at `t` has been delivered, so requests
+//! that arrive together are batched together (as the real schedulers take everything waiting
+//! when a step begins). A step boundary due at `t` was always queued before `t` (a step lasts a
 //! positive time), so it would precede anything queued *at* `t` in plain insertion order too;
 //! the fixed worker order matters only against another boundary or a timer due at the same
 //! nanosecond, and makes a boundary's place independent of when it was queued. That is what
@@ -26,7 +29,7 @@ use std::collections::{BinaryHeap, VecDeque};
 
 /// Rank of an event that is not a step boundary: after every lane's rank (a lane's rank is
 /// its index), then by insertion number.
-const AFTER_LANES: u64 = 1 << 63;
+const AFTER_LANES: u64 = 1 << 62;
 
 /// A heap entry: the order key and the event's place in the slab. Sifting moves these 24
 /// bytes, not the (larger) events.
@@ -51,6 +54,9 @@ pub struct EventQueue<E> {
     /// so finding the earliest lane scans a few contiguous words.
     lane_at: Vec<u64>,
     lanes_used: usize,
+    /// Each lane's pending step start, `EMPTY` when none (at most one per lane).
+    start_at: Vec<u64>,
+    starts_used: usize,
 }
 
 const EMPTY: u64 = u64::MAX;
@@ -66,12 +72,14 @@ impl<E> EventQueue<E> {
             now_fifo: VecDeque::new(),
             lane_at: vec![EMPTY; lanes],
             lanes_used: 0,
+            start_at: vec![EMPTY; lanes],
+            starts_used: 0,
         }
     }
 
     /// Events waiting.
     pub fn len(&self) -> usize {
-        self.heap.len() + self.now_fifo.len() + self.lanes_used
+        self.heap.len() + self.now_fifo.len() + self.lanes_used + self.starts_used
     }
 
     pub fn is_empty(&self) -> bool {
@@ -116,6 +124,33 @@ impl<E> EventQueue<E> {
         }
     }
 
+    /// Queues `lane`'s step start at `at_ns` (not before the latest pop), after every other
+    /// event of that instant. Returns false, changing nothing, if the lane already has one.
+    pub fn push_start(&mut self, lane: usize, at_ns: u64) -> bool {
+        let at_ns = at_ns.max(self.now_ns);
+        match self.start_at.get_mut(lane) {
+            Some(t) if *t == EMPTY => {
+                *t = at_ns;
+                self.starts_used += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Takes back `lane`'s pending step boundary (a worker whose step ended where a command
+    /// lands, see `engine::QuietRun`). Returns false when the lane holds none.
+    pub fn cancel_lane(&mut self, lane: usize) -> bool {
+        match self.lane_at.get_mut(lane) {
+            Some(t) if *t != EMPTY => {
+                *t = EMPTY;
+                self.lanes_used -= 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Moves `lane`'s pending boundary to `at_ns` (which must lie ahead of the latest pop).
     /// Returns false, changing nothing, when the lane is empty or the time has passed.
     pub fn move_lane(&mut self, lane: usize, at_ns: u64) -> bool {
@@ -128,8 +163,42 @@ impl<E> EventQueue<E> {
         }
     }
 
-    /// The next event in `(time, rank)` order, with its time; a lane's event is
-    /// `lane_event(lane)`.
+    /// The next event in `(time, rank)` order, with its time; a lane's boundary is
+    /// `lane_event(lane)`, a lane's step start `start_event(lane)`.
+    pub fn pop_with_starts(
+        &mut self,
+        lane_event: impl FnOnce(usize) -> E,
+        start_event: impl FnOnce(usize) -> E,
+    ) -> Option<(u64, E)> {
+        if self.starts_used > 0 {
+            let mut start = (EMPTY, usize::MAX);
+            for (i, &at) in self.start_at.iter().enumerate() {
+                if at < start.0 {
+                    start = (at, i);
+                }
+            }
+            // A start goes before the next other event only if that one is later in time: at
+            // its own instant it ranks after everything.
+            if !matches!(self.peek_time(), Some(t) if t <= start.0) {
+                self.start_at[start.1] = EMPTY;
+                self.starts_used -= 1;
+                self.now_ns = start.0;
+                return Some((start.0, start_event(start.1)));
+            }
+        }
+        self.pop(lane_event)
+    }
+
+    /// The time of the next event other than a step start.
+    fn peek_time(&self) -> Option<u64> {
+        let lane = if self.lanes_used > 0 { self.lane_at.iter().copied().min() } else { None };
+        let fifo = self.now_fifo.front().map(|e| e.0);
+        let heap = self.heap.peek().map(|Reverse(k)| k.at_ns);
+        [lane, fifo, heap].into_iter().flatten().min()
+    }
+
+    /// The next event in `(time, rank)` order, ignoring step starts, with its time; a lane's
+    /// event is `lane_event(lane)`.
     pub fn pop(&mut self, lane_event: impl FnOnce(usize) -> E) -> Option<(u64, E)> {
         // The earliest lane, the first in worker order at a tie (EMPTY lanes compare last).
         let mut lane = usize::MAX;
@@ -175,11 +244,17 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// The rank step starts have in the model: after every other event of their instant, then
+    /// by lane (the queue keeps them in lanes of their own).
+    const STEP_STARTS: u64 = 1 << 63;
+
     #[derive(Clone, Debug)]
     enum Op {
         Push(u64),
         PushLane(usize, u64),
         MoveLane(usize, u64),
+        PushStart(usize, u64),
+        CancelLane(usize),
         Pop,
     }
 
@@ -188,6 +263,8 @@ mod tests {
             (0u64..4).prop_map(Op::Push),
             (0usize..3, 0u64..4).prop_map(|(l, d)| Op::PushLane(l, d)),
             (0usize..3, 0u64..4).prop_map(|(l, d)| Op::MoveLane(l, d)),
+            (0usize..3, 0u64..2).prop_map(|(l, d)| Op::PushStart(l, d)),
+            (0usize..3).prop_map(Op::CancelLane),
             Just(Op::Pop),
             Just(Op::Pop),
         ]
@@ -213,9 +290,10 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
         /// The queue pops in exactly the order of one list keyed by (time, rank): step
-        /// boundaries first at an instant, by lane, then other events by insertion.
+        /// boundaries first at an instant, by lane, then other events by insertion, then step
+        /// starts by lane.
         #[test]
-        fn pops_lanes_first_then_insertion_order(ops in prop::collection::vec(op(), 1..200)) {
+        fn pops_lanes_first_then_insertion_order_then_starts(ops in prop::collection::vec(op(), 1..200)) {
             let mut q: EventQueue<u64> = EventQueue::new(3);
             let mut model = Model { entries: Vec::new() };
             let (mut now, mut seq) = (0u64, 0u64);
@@ -243,8 +321,22 @@ mod tests {
                             model.entries[held.unwrap()].0 = now + d;
                         }
                     }
+                    Op::PushStart(l, d) => {
+                        let pending = model.entries.iter().any(|e| e.1 == STEP_STARTS | l as u64);
+                        prop_assert_eq!(q.push_start(l, now + d), !pending);
+                        if !pending {
+                            model.entries.push((now + d, STEP_STARTS | l as u64, false));
+                        }
+                    }
+                    Op::CancelLane(l) => {
+                        let held = model.entries.iter().position(|e| e.2 && e.1 == l as u64);
+                        prop_assert_eq!(q.cancel_lane(l), held.is_some());
+                        if let Some(i) = held {
+                            model.entries.remove(i);
+                        }
+                    }
                     Op::Pop => {
-                        let got = q.pop(|l| l as u64);
+                        let got = q.pop_with_starts(|l| l as u64, |l| STEP_STARTS | l as u64);
                         prop_assert_eq!(got, model.pop());
                         if let Some((at, _)) = got {
                             now = at;
@@ -254,9 +346,9 @@ mod tests {
                 prop_assert_eq!(q.len(), model.entries.len());
             }
             while let Some(k) = model.pop() {
-                prop_assert_eq!(q.pop(|l| l as u64), Some(k));
+                prop_assert_eq!(q.pop_with_starts(|l| l as u64, |l| STEP_STARTS | l as u64), Some(k));
             }
-            prop_assert!(q.pop(|l| l as u64).is_none());
+            prop_assert!(q.pop_with_starts(|l| l as u64, |l| STEP_STARTS | l as u64).is_none());
         }
     }
 }
