@@ -249,8 +249,11 @@ pub enum CancelReason {
     OwnerLost,
     /// The run ended with the handoff unresolved (replay teardown).
     Teardown,
-    /// A deadline passed (a destination reservation's waiting timeout, a bootstrap timeout).
+    /// A deadline passed (a destination reservation's waiting timeout).
     Expired,
+    /// Destination-first: the prefill still waited for its destination's reservation when
+    /// SGLang's bootstrap timeout passed (appended after format version 1: variants go last).
+    BootstrapTimeout,
 }
 
 impl CancelReason {
@@ -264,6 +267,7 @@ impl CancelReason {
             CancelReason::OwnerLost => "owner-lost",
             CancelReason::Teardown => "teardown",
             CancelReason::Expired => "expired",
+            CancelReason::BootstrapTimeout => "bootstrap-timeout",
         }
     }
 }

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{golden_facts, golden_header, ordinal, FACT_VARIANTS};
+use common::{golden_appended_facts, golden_facts, golden_header, ordinal, FACT_VARIANTS};
 use handoff_ledger::events::{
     write_merged, EngineShape, Fact, KvDelta, Record, RunKind, RunReader, RunWriter, StreamHeader,
     StreamReader, StreamWriter,
@@ -45,13 +45,13 @@ fn golden_v1_log_decodes_unchanged() {
         eprintln!("regenerated {}", path.display());
     }
 
-    // The list covers every variant, so no variant's encoding can drift unseen.
+    // The two lists cover every variant, so no variant's encoding can drift unseen.
     let facts = golden_facts();
     let mut seen = [false; FACT_VARIANTS];
-    for (_, f) in &facts {
+    for (_, f) in facts.iter().chain(&golden_appended_facts()) {
         seen[ordinal(f)] = true;
     }
-    assert!(seen.iter().all(|s| *s), "golden list misses a Fact variant");
+    assert!(seen.iter().all(|s| *s), "golden lists miss a Fact variant");
 
     // (a) The committed file decodes to the list built in code.
     let mut r = StreamReader::open(&path).unwrap_or_else(|e| {
@@ -75,6 +75,31 @@ fn golden_v1_log_decodes_unchanged() {
     assert_eq!(encoded.len(), committed.len(), "encoded length changed");
     let first_diff = encoded.iter().zip(&committed).position(|(a, b)| a != b);
     assert_eq!(first_diff, None, "encoding differs from the golden file at this byte offset");
+}
+
+/// Variants appended to format version 1 after `golden.hlog` was committed, in a golden file of
+/// their own (same header). Create it once with `REGENERATE_GOLDEN_APPENDED=1` when appending.
+#[test]
+fn golden_v1_appended_variants_decode_unchanged() {
+    let path = golden_dir().join("golden-appended.hlog");
+    let mut w = StreamWriter::new(Vec::new(), &golden_header()).unwrap();
+    for (at, f) in golden_appended_facts() {
+        w.append(at, &f).unwrap();
+    }
+    let encoded = w.finish().unwrap();
+    if std::env::var("REGENERATE_GOLDEN_APPENDED").map(|v| v == "1").unwrap_or(false) {
+        std::fs::write(&path, &encoded).unwrap();
+        eprintln!("regenerated {}", path.display());
+    }
+    let mut r = StreamReader::open(&path).unwrap();
+    let mut got = Vec::new();
+    while let Some(rec) = r.next_record().unwrap() {
+        got.push((rec.at_ns, rec.fact));
+    }
+    assert_eq!(got, golden_appended_facts());
+    let committed = std::fs::read(&path).unwrap();
+    let first_diff = encoded.iter().zip(&committed).position(|(a, b)| a != b);
+    assert_eq!((encoded.len(), first_diff), (committed.len(), None), "encoding differs from the golden file");
 }
 
 // ----- the golden merged run -----

@@ -113,6 +113,18 @@ pub enum RejectReason {
     Unsupported,
 }
 
+impl RejectReason {
+    /// The per-request report's `terminal_reason` spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::NeverFits => "never-fits",
+            RejectReason::NoCapacity => "no-capacity",
+            RejectReason::NoSlot => "no-slot",
+            RejectReason::Unsupported => "unsupported",
+        }
+    }
+}
+
 /// The kinds of message that cross between the two roles of a handoff.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum MessageKind {
@@ -267,6 +279,12 @@ pub enum Fact {
     DecodeBooked { request: RequestId, worker: WorkerId, blocks: u32 },
     /// The decode booking ended at the request's terminal outcome.
     DecodeBookingFreed { request: RequestId, worker: WorkerId, status: TerminalStatus },
+
+    // ----- appended after format version 1 shipped (new variants go last) -----
+    /// A request preempted (vLLM) or retracted (SGLang) after producing output produced its
+    /// next token: `stalled_ns` is the gap since its previous token, which step facts cannot
+    /// show (the stall is an inter-token latency like any other, only a long one).
+    DecodeResumed { request: RequestId, stalled_ns: u64 },
 }
 
 impl Fact {
@@ -317,7 +335,8 @@ impl Fact {
             | PrefillComputeDone { request, .. }
             | PrefillBookingFreed { request, .. }
             | DecodeBooked { request, .. }
-            | DecodeBookingFreed { request, .. } => Some(*request),
+            | DecodeBookingFreed { request, .. }
+            | DecodeResumed { request, .. } => Some(*request),
             _ => None,
         }
     }
@@ -383,6 +402,7 @@ impl Fact {
             PrefillBookingFreed { .. } => "PrefillBookingFreed",
             DecodeBooked { .. } => "DecodeBooked",
             DecodeBookingFreed { .. } => "DecodeBookingFreed",
+            DecodeResumed { .. } => "DecodeResumed",
         }
     }
 }

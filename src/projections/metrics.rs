@@ -50,8 +50,18 @@ pub struct PerRequest {
     pub source_held_ms: Option<f64>,
     pub destination_reserved_ms: Option<f64>,
     pub destination_activated_ms: Option<f64>,
+    pub decode_admit_ms: Option<f64>,
     pub source_released_ms: Option<f64>,
     pub terminal_status: Option<&'static str>,
+    /// Why it ended: `completed`, a rejection (`never-fits`, `no-capacity`, ...), or the
+    /// handoff's first failure (`lease-expired`, `reservation-expired`, `bootstrap-timeout`,
+    /// `transfer-failed`, `peer-lost`, ...). See docs/per-request.md.
+    pub terminal_reason: Option<&'static str>,
+    /// Times a decode or aggregated engine preempted (vLLM) or retracted (SGLang) it.
+    pub preemptions: u32,
+    /// Output stalls those caused: the summed gaps from the token before each preemption to
+    /// the token after it (each gap is also one ITL sample).
+    pub stall_ms: f64,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -65,10 +75,17 @@ struct InFlight {
     decode_worker: Option<u32>,
     handoff: Option<HandoffId>,
     prefill_admit_ns: Option<u64>,
+    decode_admit_ns: Option<u64>,
     source_held_ns: Option<u64>,
     reserved_ns: Option<u64>,
     activated_ns: Option<u64>,
     released_ns: Option<u64>,
+    /// Order of arrival (per-request lines are written in it).
+    arrival_seq: u64,
+    /// The first fact that said why the request would not complete.
+    reason: Option<&'static str>,
+    preemptions: u32,
+    stall_ns: u64,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -81,6 +98,10 @@ struct StreamState {
     /// A decode step whose ITL weight waits for the first tokens of the same instant.
     pending_step: Option<(u64, u64, u64)>, // (at_ns, duration_ns, decode_tokens)
     first_tokens_at: (u64, u64), // (at_ns, count)
+    /// Requests first scheduled by the step whose facts carry this instant: an admission is
+    /// stamped with the step's *end* (as every step fact is), so it is moved back by the step's
+    /// duration when the step's `StepExecuted` comes (a scheduling with no step stays as is).
+    admitted_at: (u64, Vec<RequestId>),
 }
 
 /// Receives each request's figures as it ends (`--per-request` writes them as JSON lines).
@@ -95,6 +116,15 @@ pub struct MetricsFold {
     last_stream: usize,
     in_flight: BTreeMap<RequestId, InFlight>,
     handoff_request: BTreeMap<HandoffId, RequestId>,
+    arrivals: u64,
+    /// Ended requests' records not yet written: by arrival order, with the handoff whose
+    /// source release they still wait for (a record is written once every earlier arrival's
+    /// is, so the lines come in arrival order).
+    finished: BTreeMap<u64, (PerRequest, Option<HandoffId>)>,
+    awaiting_release: BTreeMap<HandoffId, u64>,
+    next_record: u64,
+    reasons: BTreeMap<&'static str, u64>,
+    stall: Distribution,
     pin_started: BTreeMap<HandoffId, u64>,
     queued_at: BTreeMap<HandoffId, u64>,
     first_arrival_ns: Option<u64>,
@@ -152,6 +182,10 @@ pub struct MetricsReport {
     pub source_pin_ms: Stats,
     pub prefill_done_to_reserved_ms: Stats,
     pub reservation_wait_ms: Stats,
+    /// Output stalls from preemption / retraction (each also an ITL sample).
+    pub stall_ms: Stats,
+    /// Ended requests by `terminal_reason`.
+    pub terminal_reasons: BTreeMap<String, u64>,
 }
 
 impl MetricsReport {
@@ -182,6 +216,9 @@ impl MetricsReport {
         put("reservations_expired", self.reservations_expired.into());
         put("handoffs_canceled", self.handoffs_canceled.into());
         put("pinned_block_seconds", serde_json::to_value(&self.pinned_block_seconds).unwrap_or(Value::Null));
+        put("num_itl_samples", self.itl_ms.count.into());
+        put("num_stalls", self.stall_ms.count.into());
+        put("terminal_reasons", serde_json::to_value(&self.terminal_reasons).unwrap_or(Value::Null));
         for (name, unit, s) in [
             ("ttft", "_ms", &self.ttft_ms),
             ("tpot", "_ms", &self.tpot_ms),
@@ -191,6 +228,7 @@ impl MetricsReport {
             ("source_pin", "_ms", &self.source_pin_ms),
             ("prefill_done_to_reserved", "_ms", &self.prefill_done_to_reserved_ms),
             ("reservation_wait", "_ms", &self.reservation_wait_ms),
+            ("stall", "_ms", &self.stall_ms),
         ] {
             for (stat, v) in [
                 ("mean", s.mean),
@@ -211,6 +249,9 @@ impl MetricsReport {
 }
 
 const NS_PER_MS: f64 = 1e6;
+
+/// Most ended requests' records held back to keep arrival order (see `write_records_upto`).
+const MAX_HELD_RECORDS: usize = 1 << 16;
 
 fn ms(ns: u64) -> f64 {
     ns as f64 / NS_PER_MS
@@ -289,9 +330,11 @@ impl MetricsFold {
                         arrival_ns: at,
                         input: *input_tokens,
                         requested_output: *output_tokens,
+                        arrival_seq: self.arrivals,
                         ..Default::default()
                     },
                 );
+                self.arrivals += 1;
             }
             Fact::PrefillBooked { request, worker: w, .. } => {
                 if let Some(r) = self.in_flight.get_mut(request) {
@@ -312,7 +355,36 @@ impl MetricsFold {
                         r.prefill_admit_ns = Some(at);
                         self.reused_tokens += *cached_tokens as u64;
                         self.scheduled_input_tokens += r.input as u64;
+                        Self::note_admitted(&mut self.streams[si].1, at, *request);
                     }
+                }
+            }
+            Fact::RequestScheduled { request, .. } if role == Role::Decode => {
+                if let Some(r) = self.in_flight.get_mut(request) {
+                    if r.decode_admit_ns.is_none() {
+                        r.decode_admit_ns = Some(at);
+                        Self::note_admitted(&mut self.streams[si].1, at, *request);
+                    }
+                }
+            }
+            Fact::RequestPreempted { request, .. } if matches!(role, Role::Decode | Role::Aggregated) => {
+                if let Some(r) = self.in_flight.get_mut(request) {
+                    r.preemptions += 1;
+                }
+            }
+            Fact::DecodeResumed { request, stalled_ns }
+                if matches!(role, Role::Decode | Role::Aggregated) =>
+            {
+                // The token after a stall is an inter-token gap like any other.
+                self.itl.add(*stalled_ns);
+                self.stall.add(*stalled_ns);
+                if let Some(r) = self.in_flight.get_mut(request) {
+                    r.stall_ns = r.stall_ns.saturating_add(*stalled_ns);
+                }
+            }
+            Fact::RequestRejected { request, reason } => {
+                if let Some(r) = self.in_flight.get_mut(request) {
+                    r.reason.get_or_insert(reason.as_str());
                 }
             }
             Fact::FirstTokenEmitted { request } if matches!(role, Role::Decode | Role::Aggregated) => {
@@ -326,10 +398,24 @@ impl MetricsFold {
                     r.first_token_ns.get_or_insert(at);
                 }
             }
-            Fact::StepExecuted { decode_tokens, duration_ns, .. }
-                if matches!(role, Role::Decode | Role::Aggregated) && *decode_tokens > 0 =>
-            {
-                self.streams[si].1.pending_step = Some((at, *duration_ns, *decode_tokens as u64));
+            Fact::StepExecuted { decode_tokens, duration_ns, .. } => {
+                let st = &mut self.streams[si].1;
+                if st.admitted_at.0 == at {
+                    // These admissions happened when this step began.
+                    for q in st.admitted_at.1.drain(..) {
+                        if let Some(r) = self.in_flight.get_mut(&q) {
+                            let admit = if role == Role::Decode {
+                                &mut r.decode_admit_ns
+                            } else {
+                                &mut r.prefill_admit_ns
+                            };
+                            *admit = admit.map(|a| a.saturating_sub(*duration_ns));
+                        }
+                    }
+                }
+                if matches!(role, Role::Decode | Role::Aggregated) && *decode_tokens > 0 {
+                    st.pending_step = Some((at, *duration_ns, *decode_tokens as u64));
+                }
             }
             Fact::HandoffStarted { handoff, request, .. } => {
                 if self.handoff_request.insert(*handoff, *request).is_none() {
@@ -382,10 +468,26 @@ impl MetricsFold {
                         }
                     }
                 }
+                if let Some(seq) = self.awaiting_release.remove(handoff) {
+                    if let Some((rec, waits)) = self.finished.get_mut(&seq) {
+                        rec.source_released_ms.get_or_insert(ms(at));
+                        *waits = None;
+                    }
+                    self.write_records();
+                }
             }
-            Fact::LeaseExpired { .. } => self.leases_expired += 1,
-            Fact::ReservationExpired { .. } => self.reservations_expired += 1,
-            Fact::HandoffCanceled { .. } => self.handoffs_canceled += 1,
+            Fact::LeaseExpired { handoff, .. } => {
+                self.leases_expired += 1;
+                self.note_reason(*handoff, "lease-expired");
+            }
+            Fact::ReservationExpired { handoff, .. } => {
+                self.reservations_expired += 1;
+                self.note_reason(*handoff, "reservation-expired");
+            }
+            Fact::HandoffCanceled { handoff, reason } => {
+                self.handoffs_canceled += 1;
+                self.note_reason(*handoff, reason.as_str());
+            }
             Fact::RequestFinished { request, status, output_tokens, .. } if role == Role::Router => {
                 self.finish(*request, *status, *output_tokens, at);
             }
@@ -393,19 +495,73 @@ impl MetricsFold {
         }
     }
 
+    /// A request admitted by the step whose facts carry instant `at` (see `admitted_at`).
+    fn note_admitted(st: &mut StreamState, at: u64, request: RequestId) {
+        if st.admitted_at.0 != at {
+            st.admitted_at.0 = at;
+            st.admitted_at.1.clear();
+        }
+        st.admitted_at.1.push(request);
+    }
+
+    /// Keeps the first reason a handoff gave for its request not completing.
+    fn note_reason(&mut self, handoff: HandoffId, reason: &'static str) {
+        if let Some(r) = self.handoff_request.get(&handoff).and_then(|q| self.in_flight.get_mut(q)) {
+            r.reason.get_or_insert(reason);
+        }
+    }
+
+    /// Writes every finished record whose turn (arrival order) has come and that waits for
+    /// nothing; with `all`, the rest too, in arrival order (the run is over).
+    fn write_records_upto(&mut self, all: bool) {
+        loop {
+            // A request that never ends must not hold every later record in memory: past the
+            // bound the oldest record goes out of turn.
+            let full = self.finished.len() > MAX_HELD_RECORDS;
+            let Some(entry) = self.finished.first_entry() else { return };
+            let (seq, waits) = (*entry.key(), entry.get().1);
+            let earlier_in_flight = seq != self.next_record;
+            if !all && !full && (earlier_in_flight || waits.is_some()) {
+                return;
+            }
+            let (rec, waits) = entry.remove();
+            if let Some(h) = waits {
+                self.awaiting_release.remove(&h);
+            }
+            self.next_record = seq + 1;
+            if let Some(sink) = self.sink.as_mut() {
+                sink(&rec);
+            }
+        }
+    }
+
+    fn write_records(&mut self) {
+        self.write_records_upto(false);
+    }
+
     fn finish(&mut self, request: RequestId, status: TerminalStatus, output_tokens: u32, at: u64) {
         let Some(r) = self.in_flight.remove(&request) else {
             return;
         };
+        // A source still pinned when its request ends is released later: the record waits
+        // for that release so that `source_released_ms` is filled in.
+        let mut waits_for = None;
         if let Some(h) = r.handoff {
             // The handoff's figures are complete once its request ends; later source releases
             // (rare: a lease outliving a failed request) still count in the pin statistics.
             if r.released_ns.is_some() {
                 self.handoff_request.remove(&h);
+            } else if r.source_held_ns.is_some() && self.pin_started.contains_key(&h) {
+                waits_for = Some(h);
             }
             self.queued_at.remove(&h);
         }
         *self.by_status.entry(status.as_str()).or_insert(0) += 1;
+        let reason = match status {
+            TerminalStatus::Completed => "completed",
+            _ => r.reason.unwrap_or(status.as_str()),
+        };
+        *self.reasons.entry(reason).or_insert(0) += 1;
         self.last_terminal_ns = self.last_terminal_ns.max(at);
         let mut out = PerRequest {
             uuid: request_uuid(self.run_seed, request).to_string(),
@@ -424,8 +580,12 @@ impl MetricsFold {
             source_held_ms: r.source_held_ns.map(ms),
             destination_reserved_ms: r.reserved_ns.map(ms),
             destination_activated_ms: r.activated_ns.map(ms),
+            decode_admit_ms: r.decode_admit_ns.map(ms),
             source_released_ms: r.released_ns.map(ms),
             terminal_status: Some(status.as_str()),
+            terminal_reason: Some(reason),
+            preemptions: r.preemptions,
+            stall_ms: ms(r.stall_ns),
             ..Default::default()
         };
         if status == TerminalStatus::Completed {
@@ -449,8 +609,12 @@ impl MetricsFold {
                 }
             }
         }
-        if let Some(sink) = self.sink.as_mut() {
-            sink(&out);
+        if self.sink.is_some() {
+            if let Some(h) = waits_for {
+                self.awaiting_release.insert(h, r.arrival_seq);
+            }
+            self.finished.insert(r.arrival_seq, (out, waits_for));
+            self.write_records();
         }
     }
 
@@ -461,6 +625,9 @@ impl MetricsFold {
 
     /// The report as of the records seen so far.
     pub fn report(&mut self) -> MetricsReport {
+        // The run is over: records still waiting (for a release that never came, or behind a
+        // request that never ended) are written now, in arrival order.
+        self.write_records_upto(true);
         // Flush pending decode steps: nothing later can change their weight.
         for (_, st) in self.streams.iter_mut() {
             if let Some((step_at, dur, toks)) = st.pending_step.take() {
@@ -511,6 +678,8 @@ impl MetricsFold {
             source_pin_ms: self.pin.stats(NS_PER_MS),
             prefill_done_to_reserved_ms: self.pinned_to_reserved.stats(NS_PER_MS),
             reservation_wait_ms: self.reservation_wait.stats(NS_PER_MS),
+            stall_ms: self.stall.stats(NS_PER_MS),
+            terminal_reasons: self.reasons.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
         }
     }
 }

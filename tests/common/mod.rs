@@ -14,7 +14,7 @@ use uuid::Uuid;
 
 /// The number of `Fact` variants; [`ordinal`] is an exhaustive match, so adding a variant
 /// breaks the build here until the strategy, the golden list and this count are updated.
-pub const FACT_VARIANTS: usize = 39;
+pub const FACT_VARIANTS: usize = 40;
 
 /// The variant's position in the enum (= its bincode variant index).
 pub fn ordinal(f: &Fact) -> usize {
@@ -59,6 +59,7 @@ pub fn ordinal(f: &Fact) -> usize {
         PrefillBookingFreed { .. } => 36,
         DecodeBooked { .. } => 37,
         DecodeBookingFreed { .. } => 38,
+        DecodeResumed { .. } => 39,
     }
 }
 
@@ -144,6 +145,8 @@ pub fn cancel() -> impl Strategy<Value = CancelReason> {
         Just(CancelReason::PeerLost),
         Just(CancelReason::OwnerLost),
         Just(CancelReason::Teardown),
+        Just(CancelReason::Expired),
+        Just(CancelReason::BootstrapTimeout),
     ]
 }
 pub fn end() -> impl Strategy<Value = EndReason> {
@@ -270,6 +273,7 @@ pub fn fact() -> impl Strategy<Value = Fact> {
         }),
         (request(), worker(), status())
             .prop_map(|(request, worker, status)| { DecodeBookingFreed { request, worker, status } }),
+        (request(), any::<u64>()).prop_map(|(request, stalled_ns)| DecodeResumed { request, stalled_ns }),
     ]
 }
 
@@ -356,6 +360,18 @@ pub fn golden_header() -> StreamHeader {
             config_json: r#"{"page_size":16,"max_running_requests":64}"#.to_string(),
         },
     }
+}
+
+/// Facts of the variants (and enum values) appended to format version 1 after its golden file
+/// was committed: they have a golden file of their own, so that the first one stays as it was.
+/// Never change existing entries; append.
+pub fn golden_appended_facts() -> Vec<(u64, Fact)> {
+    use Fact::*;
+    vec![
+        (400, DecodeResumed { request: RequestId(7), stalled_ns: 2_680_809_319_678 }),
+        (410, HandoffCanceled { handoff: h(7), reason: CancelReason::BootstrapTimeout }),
+        (420, HandoffCanceled { handoff: h(8), reason: CancelReason::Expired }),
+    ]
 }
 
 /// The golden v1 facts, one or more per variant, with their `at_ns`. Never change existing

@@ -57,6 +57,7 @@ pub fn table(r: &MetricsReport) -> String {
     add("TTFT", &r.ttft_ms);
     add("TPOT", &r.tpot_ms);
     add("ITL", &r.itl_ms);
+    add("stall (preempted)", &r.stall_ms);
     add("E2E", &r.e2e_latency_ms);
     add("source pinned", &r.source_pin_ms);
     add("prefill done → reserved", &r.prefill_done_to_reserved_ms);

@@ -66,6 +66,9 @@ struct Req {
     phase: Phase,
     has_slot: bool,
     retracted: bool,
+    /// When a retraction interrupted its output (the start of the decode step that retracted
+    /// it, right after its previous token); cleared by its next token.
+    stalled_since_ns: Option<u64>,
     source: Option<SourceInfo>,
     dest: Option<DestInfo>,
 }
@@ -242,6 +245,7 @@ impl SglangCore {
             phase: Phase::Waiting,
             has_slot: false,
             retracted: false,
+            stalled_since_ns: None,
             source: None,
             dest: None,
         }
@@ -670,7 +674,7 @@ impl SglangCore {
 
     /// Retracts running requests until every one can grow by a token. Returns whether any was
     /// retracted.
-    fn retract_for_decode(&mut self, eff: &mut Effects) -> bool {
+    fn retract_for_decode(&mut self, at_ns: u64, eff: &mut Effects) -> bool {
         let page = self.page();
         let mut any = false;
         loop {
@@ -702,6 +706,9 @@ impl SglangCore {
             r.phase = Phase::Waiting;
             r.has_slot = false;
             r.retracted = true;
+            if r.output > 0 && r.stalled_since_ns.is_none() {
+                r.stalled_since_ns = Some(at_ns);
+            }
             r.holder.kind = Kind::Active;
             let request = r.request.id;
             self.retracted_waiting += 1;
@@ -1011,7 +1018,7 @@ impl EngineCore for SglangCore {
             shape = StepShape { prefill_tokens: tokens as u64, ..StepShape::default() };
             (prefill_tokens, decode_tokens, batch_size) = (tokens, 0, n);
         } else if !self.running.is_empty() {
-            let retracted = self.retract_for_decode(&mut eff);
+            let retracted = self.retract_for_decode(at_ns, &mut eff);
             if retracted {
                 self.new_token_ratio = self.cfg.init_new_token_ratio;
             } else {
@@ -1068,10 +1075,13 @@ impl EngineCore for SglangCore {
             let first = r.output == 0;
             r.output += 1;
             r.phase = Phase::Running;
+            let stalled = r.stalled_since_ns.take();
             let (request, is_source, finished) = (r.request.id, r.source.is_some(), r.output >= r.target);
             if first {
                 eff.facts.push(Fact::FirstTokenEmitted { request });
                 eff.outputs.push(EngineOutput::FirstToken { request });
+            } else if let Some(since) = stalled {
+                eff.facts.push(Fact::DecodeResumed { request, stalled_ns: end_ns.saturating_sub(since) });
             }
             if is_source {
                 self.pin_source(k, end_ns, &mut eff);

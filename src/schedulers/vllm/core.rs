@@ -92,6 +92,9 @@ struct Seq {
     /// Hashes of full blocks known so far (prompt blocks, then decode blocks as they fill).
     hashes: Vec<BlockHash>,
     req: Request,
+    /// When a preemption interrupted its output (the start of the step that preempted it, when
+    /// its previous token had just come out); cleared by the next token.
+    stalled_since_ns: Option<u64>,
 }
 
 impl Seq {
@@ -106,6 +109,7 @@ impl Seq {
             kind,
             hashes,
             req,
+            stalled_since_ns: None,
         }
     }
     fn prompt(&self) -> u32 {
@@ -424,9 +428,12 @@ impl VllmCore {
 
     /// Preempts a running request (LIFO victim): blocks back to the cache, computed reset, front
     /// of the waiting queue.
-    fn preempt(&mut self, id: RequestId, fx: &mut Effects, step_acc: &mut KvDelta) {
+    fn preempt(&mut self, id: RequestId, at_ns: u64, fx: &mut Effects, step_acc: &mut KvDelta) {
         *step_acc = step_acc.plus(self.pool.take_delta());
         let Some(mut s) = self.seqs.remove(&id) else { return };
+        if s.generated > 0 && s.stalled_since_ns.is_none() {
+            s.stalled_since_ns = Some(at_ns);
+        }
         if let Some(pos) = self.running.iter().rposition(|r| *r == id) {
             self.running.remove(pos);
         }
@@ -1100,7 +1107,7 @@ impl EngineCore for VllmCore {
             let mut self_preempted = false;
             while self.pool.available() < need {
                 let Some(&victim) = self.running.last() else { break };
-                self.preempt(victim, &mut fx, &mut step_acc);
+                self.preempt(victim, at_ns, &mut fx, &mut step_acc);
                 preempted = true;
                 if victim == id {
                     self_preempted = true;
@@ -1244,6 +1251,12 @@ impl EngineCore for VllmCore {
             if first {
                 fx.facts.push(Fact::FirstTokenEmitted { request: id });
                 fx.outputs.push(EngineOutput::FirstToken { request: id });
+            } else if let Some(since) = s.stalled_since_ns {
+                let stalled_ns = end_ns.saturating_sub(since);
+                fx.facts.push(Fact::DecodeResumed { request: id, stalled_ns });
+                if let Some(s) = self.seqs.get_mut(&id) {
+                    s.stalled_since_ns = None;
+                }
             }
             match kind {
                 SeqKind::Source { handoff, lease_ns } => {
