@@ -697,3 +697,48 @@ fn per_request_records_are_complete_in_arrival_order_and_say_why_they_ended() {
     assert!(timed_out > 0, "{report}");
     assert_eq!(report["terminal_reasons"]["bootstrap-timeout"].as_u64(), Some(timed_out));
 }
+
+#[test]
+fn disabled_policy_on_a_disaggregated_cluster_pins_and_reserves_nothing() {
+    // The behaviour before the lifecycle, to compare against: the prefill frees its KV at
+    // completion; decode gets the request after the whole prompt's transfer time and takes its
+    // blocks only when it admits it.
+    let t = tempfile::tempdir().unwrap();
+    let cfg = fixture("configs/cascade.json");
+    for backend in ["vllm", "sglang"] {
+        let out = t.path().join(backend);
+        let args = ["--backend", backend, "--policy", "disabled", "--config", cfg.to_str().unwrap()];
+        let (report, rows) = replay_per_request(&fixture("traces/cascade.jsonl"), &args, &out);
+        assert_eq!(report["completed_requests"], report["num_requests"], "{backend}: {report}");
+        assert_eq!(report["handoffs_started"], 0, "{backend}");
+        let recs = records(&out);
+        let lifecycle = recs.iter().filter(|(_, _, f)| f.handoff().is_some()).count();
+        assert_eq!(lifecycle, 0, "{backend}: no handoff fact at all");
+        let mut run = RunReader::open(&out).unwrap();
+        for row in project_capacity(&mut run).unwrap() {
+            let peaks = (row.peak_pinned_source.blocks, row.peak_reserved_destination.blocks);
+            assert_eq!(peaks, (0, 0), "{backend} {}", row.worker);
+            assert_eq!(row.last.kv_used_blocks(), 0, "{backend} {}: drained", row.worker);
+        }
+        // Each prefill is a one-token request that finishes on its prefill worker; decode admits
+        // the request no earlier than the prompt's transfer after that.
+        let mut prefill_done = BTreeMap::new();
+        for (w, at, f) in &recs {
+            if let (Role::Prefill, Fact::RequestFinished { request, output_tokens, .. }) = (w.role, f) {
+                assert_eq!(*output_tokens, 1, "{backend}");
+                prefill_done.insert(request.0, *at as f64 / 1e6);
+            }
+        }
+        for r in &rows {
+            let id = r["request_id"].as_u64().unwrap();
+            let transfer_ms = r["input_length"].as_f64().unwrap() * 131_072.0 / 64e9 * 1e3;
+            assert!(f(r, "decode_admit_ms") >= prefill_done[&id] + transfer_ms - 1e-6, "{backend}: {r}");
+            assert!(f(r, "first_token_ms") > f(r, "decode_admit_ms"), "{backend}: {r}");
+            assert_eq!(
+                r["output_length"], r["requested_output_length"],
+                "{backend}: decode makes every token"
+            );
+        }
+        cli().arg("verify").arg(&out).assert().success();
+    }
+}

@@ -14,9 +14,30 @@ use std::collections::BTreeMap;
 
 #[derive(Clone, Debug)]
 enum Op {
-    Submit { input: u32, output: u32, family: u64, shared: u32 },
-    Prefill { input: u32, family: u64, shared: u32 },
-    Reserve { input: u32, output: u32, family: u64, shared: u32 },
+    Submit {
+        input: u32,
+        output: u32,
+        family: u64,
+        shared: u32,
+    },
+    /// The Disabled policy's decode: the prompt's KV arrives with the request.
+    Prefilled {
+        input: u32,
+        output: u32,
+        family: u64,
+        shared: u32,
+    },
+    Prefill {
+        input: u32,
+        family: u64,
+        shared: u32,
+    },
+    Reserve {
+        input: u32,
+        output: u32,
+        family: u64,
+        shared: u32,
+    },
     Activate(usize),
     Release(usize),
     CancelSource(usize),
@@ -29,6 +50,7 @@ fn op() -> impl Strategy<Value = Op> {
     let shape = || (prop_oneof![9 => 0u32..300, 1 => 600u32..900], 0u32..50, 0u64..3, 0u32..8);
     prop_oneof![
         3 => shape().prop_map(|(input, output, family, shared)| Op::Submit { input, output, family, shared }),
+        1 => shape().prop_map(|(input, output, family, shared)| Op::Prefilled { input, output, family, shared }),
         2 => shape().prop_map(|(input, _, family, shared)| Op::Prefill { input, family, shared }),
         3 => shape().prop_map(|(input, output, family, shared)| Op::Reserve { input, output, family, shared }),
         2 => (0usize..24).prop_map(Op::Activate),
@@ -103,6 +125,10 @@ fn run_stepping(ops: &[Op], stepping: Stepping) -> (Checked, u64) {
             Op::Submit { input, output, family, shared } => {
                 next_id += 1;
                 c.cmd(|k| k.submit(req(next_id, input, output, family, shared), now));
+            }
+            Op::Prefilled { input, output, family, shared } => {
+                next_id += 1;
+                c.cmd(|k| k.submit_prefilled(req(next_id, input, output, family, shared), now));
             }
             Op::Prefill { input, family, shared } => {
                 next_id += 1;

@@ -24,14 +24,46 @@ const HANDOFFS: u8 = 8;
 
 #[derive(Clone, Debug)]
 enum Op {
-    Submit { input: u32, output: u32, trace: Vec<u64>, reuse_id: bool },
-    SubmitHandoff { h: u8, input: u32, trace: Vec<u64>, lease_ms: u32 },
-    Reserve { h: u8, input: u32, output: u32, trace: Vec<u64> },
-    Activate { h: u8 },
-    Release { h: u8, expired: bool },
-    CancelSource { h: u8 },
-    CancelDest { h: u8 },
-    Step { idle_us: u32 },
+    Submit {
+        input: u32,
+        output: u32,
+        trace: Vec<u64>,
+        reuse_id: bool,
+    },
+    /// The Disabled policy's decode: the prompt's KV arrives with the request.
+    Prefilled {
+        input: u32,
+        output: u32,
+        trace: Vec<u64>,
+    },
+    SubmitHandoff {
+        h: u8,
+        input: u32,
+        trace: Vec<u64>,
+        lease_ms: u32,
+    },
+    Reserve {
+        h: u8,
+        input: u32,
+        output: u32,
+        trace: Vec<u64>,
+    },
+    Activate {
+        h: u8,
+    },
+    Release {
+        h: u8,
+        expired: bool,
+    },
+    CancelSource {
+        h: u8,
+    },
+    CancelDest {
+        h: u8,
+    },
+    Step {
+        idle_us: u32,
+    },
 }
 
 fn trace() -> impl Strategy<Value = Vec<u64>> {
@@ -46,8 +78,14 @@ fn op(handoffs: bool) -> BoxedStrategy<Op> {
         return prop_oneof![2 => submit, 5 => step].boxed();
     }
     let h = 0..HANDOFFS;
+    let prefilled = (1u32..1200, 1u32..120, trace()).prop_map(|(input, output, trace)| Op::Prefilled {
+        input,
+        output,
+        trace,
+    });
     prop_oneof![
         2 => submit,
+        1 => prefilled,
         6 => step,
         2 => (h.clone(), 1u32..1200, trace(), 1u32..100)
             .prop_map(|(h, input, trace, lease_ms)| Op::SubmitHandoff { h, input, trace, lease_ms }),
@@ -141,6 +179,11 @@ fn run_stepping(cfg: VllmConfig, ops: &[Op], stepping: Stepping) -> (Harness, u6
                 let id = if reuse_id && next_id > 1 { next_id - 1 } else { next_id };
                 next_id += 1;
                 let _ = hx.run(&what, |c, now| c.submit(req(id, input, output, &trace), now));
+            }
+            Op::Prefilled { input, output, trace } => {
+                let id = next_id;
+                next_id += 1;
+                let _ = hx.run(&what, |c, now| c.submit_prefilled(req(id, input, output, &trace), now));
             }
             Op::SubmitHandoff { h, input, trace, lease_ms } => {
                 let id = next_id;

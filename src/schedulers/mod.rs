@@ -188,6 +188,14 @@ pub trait EngineCore {
     /// An ordinary request (aggregated serving, or the Disabled policy's plain path).
     fn submit(&mut self, request: Request, at_ns: u64) -> CommandResult;
 
+    /// The Disabled policy's decode on a disaggregated cluster (the behaviour before the
+    /// handoff lifecycle): the prompt's KV was computed on a prefill worker that has already
+    /// freed it, and arrives with the request after the modeled transfer delay. The request
+    /// waits like any other and takes blocks for its whole prompt only when admitted (nothing
+    /// is reserved ahead); the prompt costs no compute here, and the engine produces every
+    /// output token itself, the first in its first step.
+    fn submit_prefilled(&mut self, request: Request, at_ns: u64) -> CommandResult;
+
     /// A prefill whose terminal step pins its KV for `handoff` instead of freeing it. The
     /// engine computes the prompt (and its first token) only. `lease_ns` is the lease length the
     /// `SourcePinned` fact records as `deadline = pin time + lease_ns`; expiry itself is the

@@ -17,6 +17,9 @@ use std::path::Path;
 pub struct ReplayConfig {
     pub backend: Backend,
     /// `None`: the backend's native policy (vLLM source-first, SGLang destination-first).
+    /// `Disabled` on a disaggregated cluster is the behaviour before the handoff lifecycle: the
+    /// prefill frees its KV when it finishes, decode gets the request after the modeled
+    /// transfer delay and allocates only when it admits it; nothing is pinned or reserved.
     pub policy: Option<HandoffPolicy>,
     /// Disaggregated shape. Both zero means aggregated serving with `workers` workers.
     pub prefill_workers: u32,
@@ -152,9 +155,6 @@ impl ReplayConfig {
                     "disaggregated serving needs prefill and decode workers (got --prefill {} --decode {})",
                     self.prefill_workers, self.decode_workers
                 ));
-            }
-            if self.effective_policy() == HandoffPolicy::Disabled {
-                return bad("policy `disabled` applies to aggregated serving only; use --workers N".into());
             }
         } else if self.workers == 0 {
             return bad("no workers: give --workers N or --prefill N --decode M".into());

@@ -67,8 +67,18 @@ pub enum ReplayError {
 #[derive(Clone, Debug)]
 enum Cmd {
     Submit(Request),
-    DispatchPrefill { handoff: HandoffId, request: Request, lease_ns: u64 },
-    Reserve { handoff: HandoffId, request: Request, deadline_ns: u64 },
+    /// Disabled policy's decode: the prompt's KV came with the request.
+    SubmitPrefilled(Request),
+    DispatchPrefill {
+        handoff: HandoffId,
+        request: Request,
+        lease_ns: u64,
+    },
+    Reserve {
+        handoff: HandoffId,
+        request: Request,
+        deadline_ns: u64,
+    },
     Activate(HandoffId),
     ReleaseSource(HandoffId, EndReason),
     CancelSource(HandoffId, CancelReason),
@@ -701,6 +711,22 @@ impl<'a> Replay<'a> {
             .map_err(|e| ReplayError::Engine(e.to_string()))?;
         self.emit_router(now, booked)?;
         let p_slot = self.slot_of(p);
+        if self.policy == HandoffPolicy::Disabled && self.cfg.is_disaggregated() {
+            // The behaviour before the lifecycle: a one-token prefill that frees its KV as it
+            // finishes; decode follows (see `prefill_finished_unpinned`).
+            let guard = Guard {
+                request: request.clone(),
+                handoff: None,
+                prefill: Some(p_slot),
+                decode: None,
+                activated: false,
+                fail_status: None,
+            };
+            self.guards.insert(id, guard);
+            let prefill = Request { output_tokens: 1, ..request };
+            self.push(now, Ev::Command { slot: p_slot, cmd: Cmd::Submit(prefill), then: Vec::new() });
+            return Ok(());
+        }
         if self.policy == HandoffPolicy::Disabled {
             // Aggregated: the same worker prefills and decodes.
             let booked = self
@@ -890,6 +916,11 @@ impl<'a> Replay<'a> {
             Cmd::Submit(request) => {
                 let id = request.id;
                 let r = core.submit(request, now);
+                self.command_result(s, r, None, Some(id))
+            }
+            Cmd::SubmitPrefilled(request) => {
+                let id = request.id;
+                let r = core.submit_prefilled(request, now);
                 self.command_result(s, r, None, Some(id))
             }
             Cmd::DispatchPrefill { handoff, request, lease_ns } => {
@@ -1187,6 +1218,12 @@ impl<'a> Replay<'a> {
                     }
                 }
             }
+            EngineOutput::Finished { request, status, output_tokens }
+                if status == TerminalStatus::Completed && self.disabled_prefill(s) =>
+            {
+                let _ = output_tokens; // the one token a disaggregated prefill makes
+                self.prefill_finished_unpinned(request)?;
+            }
             EngineOutput::Finished { request, status, output_tokens } => {
                 if let Some(h) = self.guards.get(&request).and_then(|g| g.handoff) {
                     if self.slots[s].destinations.contains_key(&h) {
@@ -1240,6 +1277,32 @@ impl<'a> Replay<'a> {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// A prefill worker under the Disabled policy on a disaggregated cluster.
+    fn disabled_prefill(&self, s: usize) -> bool {
+        self.policy == HandoffPolicy::Disabled && self.slots[s].id.role == Role::Prefill
+    }
+
+    /// Disabled policy: the prefill finished and freed its KV (its booking goes with it, as
+    /// the old harness freed the prefill router's ownership at once); the decode router picks
+    /// and books a worker, which gets the request once the whole prompt's modeled transfer
+    /// time has passed — no reservation holds capacity for it meanwhile.
+    fn prefill_finished_unpinned(&mut self, request: RequestId) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        if let Some(f) = self.prefill_router.free_prefill(request) {
+            self.emit_router(now, f)?;
+        }
+        let Some(req) = self.guards.get(&request).map(|g| g.request.clone()) else {
+            return Ok(());
+        };
+        let d_slot = self.route_decode(request, &req)?;
+        if let Some(g) = self.guards.get_mut(&request) {
+            g.decode = Some(d_slot);
+        }
+        let at = now.saturating_add(self.transfer.transfer_ns(req.input_tokens as u64));
+        self.push(at, Ev::Command { slot: d_slot, cmd: Cmd::SubmitPrefilled(req), then: Vec::new() });
         Ok(())
     }
 
@@ -1459,13 +1522,10 @@ impl<'a> Replay<'a> {
                 self.emit_router(now, f)?;
             }
         }
-        let decode_router = if self.policy == HandoffPolicy::Disabled {
-            &mut self.prefill_router
-        } else {
-            match self.decode_router.as_mut() {
-                Some(r) => r,
-                None => &mut self.prefill_router,
-            }
+        // Aggregated serving books decode on its one router.
+        let decode_router = match self.decode_router.as_mut() {
+            Some(r) => r,
+            None => &mut self.prefill_router,
         };
         if let Some(f) = decode_router.free_decode(request, status) {
             self.emit_router(now, f)?;

@@ -66,6 +66,9 @@ struct Req {
     phase: Phase,
     has_slot: bool,
     retracted: bool,
+    /// Disabled policy's decode: the prompt's KV arrived with the request (see
+    /// `EngineCore::submit_prefilled`); pages are taken and published at admission.
+    prefilled: bool,
     /// When a retraction interrupted its output (the start of the decode step that retracted
     /// it, right after its previous token); cleared by its next token.
     stalled_since_ns: Option<u64>,
@@ -245,6 +248,7 @@ impl SglangCore {
             phase: Phase::Waiting,
             has_slot: false,
             retracted: false,
+            prefilled: false,
             stalled_since_ns: None,
             source: None,
             dest: None,
@@ -672,6 +676,53 @@ impl SglangCore {
         Some((tokens, batch.len() as u32))
     }
 
+    /// Admits prefilled requests (Disabled policy's decode) at the head of the waiting queue,
+    /// FIFO: each takes a slot and the pages its prompt needs beyond the cached prefix, which
+    /// become valid (and published) at once; it joins the decode batch, whose next step makes
+    /// its first token. A head that does not fit blocks the queue, as admission does.
+    fn admit_prefilled(&mut self, eff: &mut Effects) {
+        let page = self.page();
+        while let Some(&k) = self.waiting.front() {
+            if self.slots_used >= self.cfg.max_running_requests {
+                return;
+            }
+            let Some(r) = self.req(k) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            if !r.prefilled {
+                return;
+            }
+            let prompt_pages = (r.request.input_tokens / page) as usize;
+            let prefix = self.pool.match_prefix(&r.hashes[..prompt_pages.min(r.hashes.len())], prompt_pages);
+            let pages = self.pages_for(r.request.input_tokens).saturating_sub(prefix.len() as u32);
+            let unlocked = self.pool.unlocked_count(&prefix);
+            if pages as u64 > self.pool.available().saturating_sub(unlocked) {
+                return;
+            }
+            self.waiting.pop_front();
+            let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) else {
+                continue;
+            };
+            self.pool.lock_path(&mut r.holder, &prefix);
+            let ok = self.pool.alloc(&mut r.holder, pages);
+            debug_assert!(ok, "checked above");
+            r.kv_len = r.request.input_tokens;
+            r.fill = r.kv_len;
+            r.has_slot = true;
+            r.phase = Phase::Running;
+            let full = (r.kv_len / page) as usize;
+            let stored = self.pool.insert(&mut r.holder, &r.hashes, full);
+            let (request, cached_tokens) = (r.request.id, prefix.len() as u32 * page);
+            self.take_slot();
+            self.running.push(k);
+            self.emit(eff, |kv| Fact::RequestScheduled { request, cached_tokens, kv });
+            if let Some(f) = stored {
+                eff.facts.push(f);
+            }
+        }
+    }
+
     /// Retracts running requests until every one can grow by a token. Returns whether any was
     /// retracted.
     fn retract_for_decode(&mut self, at_ns: u64, eff: &mut Effects) -> bool {
@@ -706,6 +757,8 @@ impl SglangCore {
             r.phase = Phase::Waiting;
             r.has_slot = false;
             r.retracted = true;
+            // Transferred KV is gone once retracted: it recomputes here like any other.
+            r.prefilled = false;
             if r.output > 0 && r.stalled_since_ns.is_none() {
                 r.stalled_since_ns = Some(at_ns);
             }
@@ -791,6 +844,17 @@ impl EngineCore for SglangCore {
             return self.reject(request.id, pages);
         }
         let r = self.new_req(request.clone(), request.output_tokens);
+        let mut eff = Effects::default();
+        self.enqueue(r, &mut eff);
+        self.finish_command(Ok(CommandOutcome::Applied), eff)
+    }
+
+    fn submit_prefilled(&mut self, request: Request, _at_ns: u64) -> CommandResult {
+        if let Some(pages) = self.never_fits(request.input_tokens, request.output_tokens, 0) {
+            return self.reject(request.id, pages);
+        }
+        let mut r = self.new_req(request.clone(), request.output_tokens);
+        r.prefilled = true;
         let mut eff = Effects::default();
         self.enqueue(r, &mut eff);
         self.finish_command(Ok(CommandOutcome::Applied), eff)
@@ -1010,8 +1074,10 @@ impl EngineCore for SglangCore {
             }
         }
 
+        self.admit_prefilled(&mut eff);
         let mut step_kv = KvDelta::ZERO;
         let mut done = Vec::new();
+        let mut first_tokens = Vec::new();
         let shape;
         let (prefill_tokens, decode_tokens, batch_size);
         if let Some((tokens, n)) = self.prefill_pass(&mut eff, &mut step_kv, &mut done) {
@@ -1034,6 +1100,9 @@ impl EngineCore for SglangCore {
                 if r.kv_len % page == 0 {
                     let ok = self.pool.alloc(&mut r.holder, 1);
                     debug_assert!(ok, "retraction guarantees growth pages");
+                }
+                if r.output == 0 {
+                    first_tokens.push(r.request.id); // a prefilled request's first token
                 }
                 r.kv_len += 1;
                 r.output += 1;
@@ -1063,6 +1132,10 @@ impl EngineCore for SglangCore {
             kv: step_kv,
         });
         let end_ns = at_ns.saturating_add(duration_ns);
+        for request in first_tokens {
+            eff.facts.push(Fact::FirstTokenEmitted { request });
+            eff.outputs.push(EngineOutput::FirstToken { request });
+        }
 
         // Results of the forward pass.
         for k in done {
@@ -1129,6 +1202,10 @@ impl EngineCore for SglangCore {
         for &k in &self.running {
             let r = self.req(k)?;
             let (kv, output, target) = (r.kv_len as u64, r.output as u64, r.target as u64);
+            // …nor produce a first token (a prefilled request's, which is a fact of its own)…
+            if output == 0 {
+                return None;
+            }
             // Step `i` of the run must not start a page (which allocates, and may retract)…
             if kv % page == 0 {
                 return None;

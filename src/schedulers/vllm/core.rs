@@ -70,8 +70,16 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SeqKind {
     Plain,
-    Source { handoff: HandoffId, lease_ns: u64 },
-    Dest { handoff: HandoffId },
+    /// Disabled policy's decode: the prompt's KV arrives with the request (see
+    /// `EngineCore::submit_prefilled`); allocated and published at admission.
+    Prefilled,
+    Source {
+        handoff: HandoffId,
+        lease_ns: u64,
+    },
+    Dest {
+        handoff: HandoffId,
+    },
 }
 
 /// A request in waiting or running. `repr(C)` with the fields a decode step reads first, so
@@ -416,7 +424,7 @@ impl VllmCore {
         fx.outputs.push(EngineOutput::Finished { request: id, status, output_tokens: s.generated });
         self.live.remove(&id);
         match s.kind {
-            SeqKind::Plain => {}
+            SeqKind::Plain | SeqKind::Prefilled => {}
             SeqKind::Source { handoff, .. } => {
                 self.sources.remove(&handoff);
             }
@@ -433,6 +441,10 @@ impl VllmCore {
         let Some(mut s) = self.seqs.remove(&id) else { return };
         if s.generated > 0 && s.stalled_since_ns.is_none() {
             s.stalled_since_ns = Some(at_ns);
+        }
+        if s.kind == SeqKind::Prefilled {
+            // Its transferred KV is gone: it recomputes here, like any preempted request.
+            s.kind = SeqKind::Plain;
         }
         if let Some(pos) = self.running.iter().rposition(|r| *r == id) {
             self.running.remove(pos);
@@ -493,7 +505,17 @@ impl VllmCore {
         let limit = ((target - 1) / bs) as usize;
         let (matched, matched_cached) =
             if s.blocks.is_empty() { self.match_prefix(&s.hashes, limit) } else { (Vec::new(), 0) };
-        let start = if s.blocks.is_empty() { matched.len() as u64 * bs } else { s.computed as u64 };
+        let start = if s.blocks.is_empty() {
+            if s.kind == SeqKind::Prefilled {
+                // The transferred prompt is valid but its last token, which decode recomputes
+                // to produce the first output token (as after a remote-KV load).
+                target - 1
+            } else {
+                matched.len() as u64 * bs
+            }
+        } else {
+            s.computed as u64
+        };
         let remaining = target.saturating_sub(start);
         let chunk = if self.cfg.enable_chunked_prefill {
             remaining.min(budget)
@@ -823,6 +845,20 @@ impl EngineCore for VllmCore {
             return self.finish_command(Err(e), fx);
         }
         let outcome = self.enqueue(request, SeqKind::Plain, &mut fx);
+        self.finish_command(outcome, fx)
+    }
+
+    fn submit_prefilled(&mut self, request: Request, _at_ns: u64) -> CommandResult {
+        let mut fx = Effects::default();
+        if self.live.contains(&request.id) {
+            let e = CommandError::InvalidState {
+                handoff: nil_handoff(),
+                command: "submit_prefilled",
+                state: "request id already live",
+            };
+            return self.finish_command(Err(e), fx);
+        }
+        let outcome = self.enqueue(request, SeqKind::Prefilled, &mut fx);
         self.finish_command(outcome, fx)
     }
 
@@ -1174,7 +1210,7 @@ impl EngineCore for VllmCore {
                 let target = s.target();
                 // An activated destination's one-token recompute costs a decode step, not a
                 // prefill (its KV arrived by transfer).
-                let remote_tail = matches!(s.kind, SeqKind::Dest { .. })
+                let remote_tail = matches!(s.kind, SeqKind::Dest { .. } | SeqKind::Prefilled)
                     && s.generated == 0
                     && tokens == 1
                     && s.computed + 1 == s.prompt();
