@@ -1,6 +1,7 @@
 //! Offline replay: trace readers, transfer timing, configuration and the discrete-event loop.
 
 pub mod config;
+pub mod contention;
 pub mod engine;
 pub mod faults;
 pub mod queue;
