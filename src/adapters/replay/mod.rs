@@ -1,4 +1,5 @@
-//! Offline replay: trace readers, transfer timing, configuration and the discrete-event loop.
+//! Offline replay: trace readers, when requests arrive (workload), transfer timing, configuration and
+//! the discrete-event loop.
 
 pub mod config;
 pub mod contention;
@@ -8,3 +9,4 @@ pub mod queue;
 pub mod sink;
 pub mod trace;
 pub mod transfer;
+pub mod workload;

@@ -31,7 +31,7 @@
 //!   reader treats every line's timestamp as its arrival (open loop), so a timestamp is required
 //!   on every line, session turns included. The reference's closed-loop rule — a session's next
 //!   turn arrives `delay` ms after its previous turn *completes* — needs completion feedback from
-//!   the replay and is not applied here.
+//!   the replay and is not applied here: [`crate::adapters::replay::workload`] applies it.
 //! * Blank lines (whitespace only) are skipped but still counted, so line numbers match an
 //!   editor's. CRLF line ends and a leading UTF-8 byte-order mark are accepted. A line longer
 //!   than [`MAX_LINE_BYTES`] is an error.
@@ -226,6 +226,11 @@ impl<R: BufRead> TraceReader<R> {
 
     pub fn format(&self) -> TraceFormat {
         self.format
+    }
+
+    /// The path error messages name (so code that builds on the reader can name it too).
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     fn error(&mut self, reason: String) -> TraceError {
