@@ -86,7 +86,7 @@ fn folding_the_logs_reproduces_the_printed_report() {
         assert!(o.status.success());
         let projected: Value = serde_json::from_slice(&o.stdout).unwrap();
         let mut report = report.as_object().unwrap().clone();
-        for k in ["wall_time_ms", "drained", "events", "log_dir"] {
+        for k in ["wall_time_ms", "drained", "events", "log_dir", "sessions", "session_turns_dropped"] {
             assert!(report.remove(k).is_some(), "report lacks {k}");
         }
         assert_eq!(Value::Object(report), projected, "{backend}");
@@ -741,4 +741,75 @@ fn disabled_policy_on_a_disaggregated_cluster_pins_and_reserves_nothing() {
         }
         cli().arg("verify").arg(&out).assert().success();
     }
+}
+
+#[test]
+fn session_turns_follow_the_previous_turns_end_and_closed_loop_holds_concurrency() {
+    let t = tempfile::tempdir().unwrap();
+    // Two sessions of three turns; turn 2 of "a" has an explicit delay, the others take the
+    // timestamp difference as their think time. Timestamps of later turns are otherwise ignored.
+    let lines = [
+        r#"{"timestamp":0,"input_length":600,"output_length":20,"session_id":"a"}"#,
+        r#"{"timestamp":10,"input_length":700,"output_length":20,"session_id":"b"}"#,
+        r#"{"timestamp":50,"input_length":900,"output_length":20,"session_id":"a","delay":250}"#,
+        r#"{"timestamp":60,"input_length":800,"output_length":20,"session_id":"b"}"#,
+        r#"{"timestamp":90,"input_length":1000,"output_length":20,"session_id":"a"}"#,
+        r#"{"timestamp":100,"input_length":500,"output_length":20,"session_id":"b"}"#,
+    ];
+    let trace = t.path().join("sessions.jsonl");
+    std::fs::write(&trace, lines.join("\n") + "\n").unwrap();
+    let out = t.path().join("open");
+    let (_, rows) = replay_per_request(&trace, &["--prefill", "1", "--decode", "1"], &out);
+    let by_id: BTreeMap<u64, &Value> = rows.iter().map(|r| (r["request_id"].as_u64().unwrap(), r)).collect();
+    // (turn, previous turn, think time in ms)
+    for (turn, prev, think_ms) in [(2, 0, 250.0), (4, 2, 40.0), (3, 1, 50.0), (5, 3, 40.0)] {
+        let expected = f(by_id[&prev], "terminal_time_ms") + think_ms;
+        assert!((f(by_id[&turn], "arrival_time_ms") - expected).abs() < 1e-6, "turn {turn}: {rows:?}");
+    }
+    assert_eq!(f(by_id[&1], "arrival_time_ms"), 10.0, "a first turn arrives at its timestamp");
+
+    // Closed loop, one at a time: each request arrives as the previous one ends.
+    let plain: Vec<_> = (0..4u64).map(|i| (i * 1000, 600, 10, vec![i + 1, i + 100])).collect();
+    let trace = write_trace(t.path(), "plain.jsonl", &plain);
+    let out = t.path().join("closed");
+    let (_, rows) =
+        replay_per_request(&trace, &["--prefill", "1", "--decode", "1", "--concurrency", "1"], &out);
+    assert_eq!(f(&rows[0], "arrival_time_ms"), 0.0);
+    for w in rows.windows(2) {
+        assert_eq!(f(&w[1], "arrival_time_ms"), f(&w[0], "terminal_time_ms"), "{rows:?}");
+    }
+}
+
+#[test]
+fn transfers_sharing_a_nic_share_its_bandwidth_when_contention_is_on() {
+    // Two prompts prefilled together on 1P+1D move their KV over the same two NICs at once:
+    // with processor sharing each takes twice as long as alone; with one transfer at a time
+    // per worker the second waits for the first.
+    let t = tempfile::tempdir().unwrap();
+    let trace =
+        write_trace(t.path(), "two.jsonl", &[(0, 2048, 4, vec![1, 2, 3, 4]), (0, 2048, 4, vec![5, 6, 7, 8])]);
+    let alone_ms = 2048.0 * 131_072.0 / 8e9 * 1e3; // 8 GB/s
+    let run = |name: &str, contention: &str| {
+        let cfg = t.path().join(format!("{name}.json"));
+        let text = format!(
+            r#"{{"prefill_workers":1,"decode_workers":1,"transfer":{{"mode":"bandwidth","bandwidth_gbps":8}},"contention":{contention}}}"#
+        );
+        std::fs::write(&cfg, text).unwrap();
+        replay_per_request(&trace, &["--config", cfg.to_str().unwrap()], &t.path().join(name)).1
+    };
+    let off = run("off", r#"{"enabled":false}"#);
+    for r in &off {
+        assert!((f(r, "transfer_ms") - alone_ms).abs() < 1e-3, "{r}");
+        assert!(r["transfer_queued_ms"].is_null());
+    }
+    let shared = run("shared", r#"{"enabled":true}"#);
+    for r in &shared {
+        assert!((f(r, "transfer_ms") - 2.0 * alone_ms).abs() < 1e-3, "{r}");
+        assert_eq!(f(r, "transfer_queued_ms"), 0.0);
+    }
+    let serial = run("serial", r#"{"enabled":true,"max_concurrent_per_worker":1}"#);
+    let mut queued: Vec<f64> = serial.iter().map(|r| f(r, "transfer_queued_ms")).collect();
+    queued.sort_by(f64::total_cmp);
+    assert!(queued[0] == 0.0 && (queued[1] - alone_ms).abs() < 1e-3, "{serial:?}");
+    cli().arg("verify").arg(t.path().join("serial")).assert().success();
 }

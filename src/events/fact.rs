@@ -285,6 +285,10 @@ pub enum Fact {
     /// next token: `stalled_ns` is the gap since its previous token, which step facts cannot
     /// show (the stall is an inter-token latency like any other, only a long one).
     DecodeResumed { request: RequestId, stalled_ns: u64 },
+    /// With NIC contention modeled, how a finished transfer's time split (destination stream,
+    /// just before `ReceiveCompleted`): waiting for a transfer slot on both NICs, the fixed
+    /// latency, and moving bytes at its share of the bandwidth.
+    TransferTiming { handoff: HandoffId, queued_ns: u64, latency_ns: u64, moving_ns: u64 },
 }
 
 impl Fact {
@@ -312,7 +316,8 @@ impl Fact {
             | HandoffCanceled { handoff, .. }
             | MessageSent { handoff, .. }
             | MessageReceived { handoff, .. }
-            | MessageRejected { handoff, .. } => Some(*handoff),
+            | MessageRejected { handoff, .. }
+            | TransferTiming { handoff, .. } => Some(*handoff),
             _ => None,
         }
     }
@@ -403,6 +408,7 @@ impl Fact {
             DecodeBooked { .. } => "DecodeBooked",
             DecodeBookingFreed { .. } => "DecodeBookingFreed",
             DecodeResumed { .. } => "DecodeResumed",
+            TransferTiming { .. } => "TransferTiming",
         }
     }
 }

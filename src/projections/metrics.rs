@@ -59,6 +59,10 @@ pub struct PerRequest {
     pub terminal_reason: Option<&'static str>,
     /// Times a decode or aggregated engine preempted (vLLM) or retracted (SGLang) it.
     pub preemptions: u32,
+    /// The KV transfer, from its start on the destination to receive completion (with NIC
+    /// contention: queueing for a transfer slot included; `transfer_queued_ms` is that part).
+    pub transfer_ms: Option<f64>,
+    pub transfer_queued_ms: Option<f64>,
     /// Output stalls those caused: the summed gaps from the token before each preemption to
     /// the token after it (each gap is also one ITL sample).
     pub stall_ms: f64,
@@ -86,6 +90,9 @@ struct InFlight {
     reason: Option<&'static str>,
     preemptions: u32,
     stall_ns: u64,
+    receive_started_ns: Option<u64>,
+    transfer_ns: Option<u64>,
+    transfer_queued_ns: Option<u64>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -476,6 +483,21 @@ impl MetricsFold {
                     self.write_records();
                 }
             }
+            Fact::ReceiveStarted { handoff, .. } => {
+                if let Some(r) = self.handoff_request.get(handoff).and_then(|q| self.in_flight.get_mut(q)) {
+                    r.receive_started_ns.get_or_insert(at);
+                }
+            }
+            Fact::ReceiveCompleted { handoff } => {
+                if let Some(r) = self.handoff_request.get(handoff).and_then(|q| self.in_flight.get_mut(q)) {
+                    r.transfer_ns = r.receive_started_ns.map(|t| at.saturating_sub(t));
+                }
+            }
+            Fact::TransferTiming { handoff, queued_ns, .. } => {
+                if let Some(r) = self.handoff_request.get(handoff).and_then(|q| self.in_flight.get_mut(q)) {
+                    r.transfer_queued_ns = Some(*queued_ns);
+                }
+            }
             Fact::LeaseExpired { handoff, .. } => {
                 self.leases_expired += 1;
                 self.note_reason(*handoff, "lease-expired");
@@ -585,6 +607,8 @@ impl MetricsFold {
             terminal_status: Some(status.as_str()),
             terminal_reason: Some(reason),
             preemptions: r.preemptions,
+            transfer_ms: r.transfer_ns.map(ms),
+            transfer_queued_ms: r.transfer_queued_ns.map(ms),
             stall_ms: ms(r.stall_ns),
             ..Default::default()
         };

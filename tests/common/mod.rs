@@ -14,7 +14,7 @@ use uuid::Uuid;
 
 /// The number of `Fact` variants; [`ordinal`] is an exhaustive match, so adding a variant
 /// breaks the build here until the strategy, the golden list and this count are updated.
-pub const FACT_VARIANTS: usize = 40;
+pub const FACT_VARIANTS: usize = 41;
 
 /// The variant's position in the enum (= its bincode variant index).
 pub fn ordinal(f: &Fact) -> usize {
@@ -60,6 +60,7 @@ pub fn ordinal(f: &Fact) -> usize {
         DecodeBooked { .. } => 37,
         DecodeBookingFreed { .. } => 38,
         DecodeResumed { .. } => 39,
+        TransferTiming { .. } => 40,
     }
 }
 
@@ -274,6 +275,12 @@ pub fn fact() -> impl Strategy<Value = Fact> {
         (request(), worker(), status())
             .prop_map(|(request, worker, status)| { DecodeBookingFreed { request, worker, status } }),
         (request(), any::<u64>()).prop_map(|(request, stalled_ns)| DecodeResumed { request, stalled_ns }),
+        (handoff(), any::<[u64; 3]>()).prop_map(|(handoff, t)| TransferTiming {
+            handoff,
+            queued_ns: t[0],
+            latency_ns: t[1],
+            moving_ns: t[2]
+        }),
     ]
 }
 
@@ -371,6 +378,7 @@ pub fn golden_appended_facts() -> Vec<(u64, Fact)> {
         (400, DecodeResumed { request: RequestId(7), stalled_ns: 2_680_809_319_678 }),
         (410, HandoffCanceled { handoff: h(7), reason: CancelReason::BootstrapTimeout }),
         (420, HandoffCanceled { handoff: h(8), reason: CancelReason::Expired }),
+        (430, TransferTiming { handoff: h(3), queued_ns: 1_000, latency_ns: 5_000, moving_ns: u64::MAX - 3 }),
     ]
 }
 

@@ -46,9 +46,14 @@ pub struct ReplayArgs {
     /// The run's one seed.
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Arrival speedup ratio (divides trace timestamps).
+    /// Arrival speedup ratio (divides trace timestamps and session delays).
     #[arg(long)]
     pub speedup: Option<f64>,
+    /// Closed loop: keep N sessions in flight (a request without `session_id` is a one-turn
+    /// session), each next one starting when one ends; trace timestamps of first turns are
+    /// ignored. Without it, requests arrive at their timestamps.
+    #[arg(long)]
+    pub concurrency: Option<u32>,
     /// Trace format (default: from the extension or first line).
     #[arg(long)]
     pub trace_format: Option<TraceFormat>,
@@ -127,6 +132,9 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
     }
     if let Some(s) = a.speedup {
         cfg.arrival_speedup = s;
+    }
+    if let Some(n) = a.concurrency {
+        cfg.load = handoff_ledger::adapters::replay::workload::LoadMode::Closed { concurrency: n };
     }
     cfg.validate()?;
     if a.force && a.out.is_dir() {
@@ -211,6 +219,9 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         m.insert("drained".into(), outcome.drained.into());
         m.insert("events".into(), outcome.events.into());
         m.insert("log_dir".into(), a.out.display().to_string().into());
+        let w = &outcome.workload;
+        m.insert("sessions".into(), w.sessions_seen.into());
+        m.insert("session_turns_dropped".into(), w.turns_dropped.into());
         if !outcome.faults.is_empty() {
             m.insert("faults".into(), serde_json::to_value(&outcome.faults).unwrap_or_default());
         }
@@ -224,6 +235,13 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         out.line(&serde_json::to_string_pretty(&json).unwrap_or_default())?;
     } else {
         out.line(&crate::report::table(&outcome.report))?;
+        let w = &outcome.workload;
+        if w.sessions_seen > 0 {
+            out.line(&format!(
+                "sessions: {} ({} cut short by a failed or canceled turn; {} later turns dropped)",
+                w.sessions_seen, w.sessions_cut_short, w.turns_dropped
+            ))?;
+        }
         for f in &outcome.faults {
             let when = match f.fired_at_ns {
                 Some(t) => format!("fired at {:.3} ms", t as f64 / 1e6),

@@ -2,8 +2,10 @@
 //! timing and routing. Read from a JSON file (`--config`), with command-line flags on top.
 //! Unknown keys are errors, so a typo never silently falls back to a default.
 
+use crate::adapters::replay::contention::ContentionConfig;
 use crate::adapters::replay::faults::FaultSpec;
 use crate::adapters::replay::transfer::TransferConfig;
+use crate::adapters::replay::workload::LoadMode;
 use crate::ids::{Backend, HandoffPolicy};
 use crate::router::RouterMode;
 use crate::schedulers::sglang::SglangConfig;
@@ -38,6 +40,17 @@ pub struct ReplayConfig {
     pub prefill_sglang: Option<SglangConfig>,
     pub decode_sglang: Option<SglangConfig>,
     pub transfer: TransferConfig,
+    /// Transfers sharing a worker's NIC share its bandwidth (off by default, so figures stay
+    /// comparable with the reference, whose transfers never contend). Needs the bandwidth
+    /// transfer model.
+    pub contention: ContentionConfig,
+    /// When requests arrive: `"open"` (trace timestamps; sessions' later turns after the
+    /// previous turn ends plus its delay) or `{"closed": {"concurrency": N}}` (N sessions at a
+    /// time, the next starting when one ends). `--concurrency N` on the command line.
+    pub load: LoadMode,
+    /// Trace requests read ahead and not yet issued (session turns waiting for their previous
+    /// turn, sessions waiting for a closed-loop slot) before the replay refuses the trace.
+    pub max_buffered_requests: usize,
     /// Source lease (vLLM's abort timeout, default 480 s).
     pub lease_ms: u64,
     /// When set, the destination renews the source lease every `lease_renew_ms` while it
@@ -78,6 +91,9 @@ impl Default for ReplayConfig {
             prefill_sglang: None,
             decode_sglang: None,
             transfer: TransferConfig::default(),
+            contention: ContentionConfig::default(),
+            load: LoadMode::Open,
+            max_buffered_requests: 1_000_000,
             lease_ms: 480_000,
             lease_renew_ms: None,
             reservation_timeout_ms: 300_000,
@@ -178,6 +194,17 @@ impl ReplayConfig {
         }
         if self.max_in_flight == 0 {
             return bad("max_in_flight must be > 0".into());
+        }
+        if self.max_buffered_requests == 0 {
+            return bad("max_buffered_requests must be > 0".into());
+        }
+        if let LoadMode::Closed { concurrency: 0 } = self.load {
+            return bad("load: closed-loop concurrency must be > 0".into());
+        }
+        if self.contention.enabled && !matches!(self.transfer, TransferConfig::Bandwidth(_)) {
+            return bad(
+                "contention needs the bandwidth transfer model (transfer.mode = \"bandwidth\")".into()
+            );
         }
         crate::adapters::replay::faults::validate(&self.faults, self.effective_policy())
             .map_err(ConfigError::Invalid)?;

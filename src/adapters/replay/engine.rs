@@ -20,11 +20,13 @@
 //!   replay says which handoffs are stuck, where, and on what they wait.
 
 use crate::adapters::replay::config::{ConfigError, ReplayConfig};
+use crate::adapters::replay::contention::ContentionModel;
 use crate::adapters::replay::faults::{FaultKind, FaultReport, FaultState, Late};
 use crate::adapters::replay::queue::EventQueue;
 use crate::adapters::replay::sink::FactSink;
-use crate::adapters::replay::trace::{TraceError, TraceReader, TraceRequest};
+use crate::adapters::replay::trace::{TraceError, TraceReader};
 use crate::adapters::replay::transfer::{TransferConfig, TransferModel};
+use crate::adapters::replay::workload::{Workload, WorkloadStats};
 use crate::events::{EngineShape, Fact, LogError, RunWriter, StreamHeader, TerminalStatus};
 use crate::ids::{
     Backend, CancelReason, ClockDomain, EndReason, Generation, HandoffId, HandoffPolicy, IdMint,
@@ -107,6 +109,9 @@ enum Ev {
         slot: usize,
         handoff: HandoffId,
     },
+    /// The NIC contention model's next instant of interest (a transfer finishing or its latency
+    /// ending); stale ticks find nothing due.
+    TransferTick,
     LeaseTimer {
         slot: usize,
         handoff: HandoffId,
@@ -204,6 +209,8 @@ pub struct ReplayOutcome {
     /// One entry per planned fault, in plan order: when it fired and what it did, or that its
     /// phase was never reached.
     pub faults: Vec<FaultReport>,
+    /// Sessions, turns issued and dropped.
+    pub workload: WorkloadStats,
 }
 
 /// Progress callback: (requests arrived, virtual time ns).
@@ -231,8 +238,18 @@ pub struct Replay<'a> {
     mint: IdMint,
     /// The run's streams and the metrics fold, behind the writer thread.
     sink: FactSink,
-    trace: TraceReader<Box<dyn std::io::BufRead>>,
-    next_arrival: Option<TraceRequest>,
+    /// When each trace request arrives (open loop, sessions, closed loop).
+    workload: Workload,
+    /// The time of the `Arrival` event queued last, while it is pending.
+    arrival_armed_ns: Option<u64>,
+    /// Transfers sharing NICs (`None` unless contention is enabled), with each transfer's
+    /// destination and handoff by key, the key of each handoff's transfer, and the time of the
+    /// `TransferTick` queued last.
+    contention: Option<ContentionModel>,
+    transfers: BTreeMap<u64, (usize, HandoffId)>,
+    transfer_of: BTreeMap<HandoffId, u64>,
+    next_transfer_key: u64,
+    tick_armed_ns: Option<u64>,
     arrivals: u64,
     held_back: bool,
     block_size: u32,
@@ -364,6 +381,7 @@ impl<'a> Replay<'a> {
         let policy = cfg.effective_policy();
         cfg.transfer.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
         let transfer = cfg.transfer;
+        let workload = Workload::new(trace, cfg.load, cfg.max_buffered_requests)?;
         let mut mint = IdMint::from_seed(cfg.seed);
         let run_id = uuid::Uuid::from_u64_pair(mint.next_u64(), mint.next_u64());
         let mut slots = Vec::new();
@@ -416,6 +434,19 @@ impl<'a> Replay<'a> {
                 preemptions: None,
             });
         }
+        let contention = match (&cfg.transfer, cfg.contention.enabled) {
+            (crate::adapters::replay::transfer::TransferConfig::Bandwidth(link), true) => {
+                let names: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
+                cfg.contention
+                    .validate(&names)
+                    .map_err(|e| ConfigError::Invalid(format!("contention: {e}")))?;
+                Some(
+                    ContentionModel::new(&cfg.contention, names, link)
+                        .map_err(|e| ConfigError::Invalid(format!("contention: {e}")))?,
+                )
+            }
+            _ => None,
+        };
         let router_header = header(run_id, WorkerId::ROUTER, &cfg, policy, EngineShape::none());
         metrics.add_stream(&router_header);
         headers.push(router_header);
@@ -455,8 +486,13 @@ impl<'a> Replay<'a> {
             transfer,
             mint,
             sink,
-            trace,
-            next_arrival: None,
+            workload,
+            arrival_armed_ns: None,
+            contention,
+            transfers: BTreeMap::new(),
+            transfer_of: BTreeMap::new(),
+            next_transfer_key: 0,
+            tick_armed_ns: None,
             arrivals: 0,
             held_back: false,
             block_size,
@@ -479,11 +515,7 @@ impl<'a> Replay<'a> {
             r.emit(s, 0, Fact::SessionStarted { generation: g })?;
         }
         r.emit_router(0, Fact::SessionStarted { generation: Generation(1) })?;
-        r.next_arrival = r.trace.next_request()?;
-        if let Some(t) = &r.next_arrival {
-            let at = t.arrival_ns();
-            r.push(at, Ev::Arrival);
-        }
+        r.arm_arrival();
         Ok(r)
     }
 
@@ -601,6 +633,7 @@ impl<'a> Replay<'a> {
             coalesced_steps: self.quiet.coalesced,
             virtual_end_ns: self.now_ns,
             faults,
+            workload: self.workload.stats(),
         })
     }
 
@@ -659,6 +692,7 @@ impl<'a> Replay<'a> {
             Ev::TransferDone { slot, handoff } => {
                 self.destination_event(slot, handoff, DestinationEvent::ReceiveCompleted)?;
             }
+            Ev::TransferTick => self.on_transfer_tick()?,
             Ev::LeaseTimer { slot, handoff } => {
                 self.source_event(slot, handoff, SourceEvent::LeaseExpired)?;
             }
@@ -677,22 +711,33 @@ impl<'a> Replay<'a> {
 
     // ----- arrivals and routing -----
 
+    /// Queues an `Arrival` for the workload's next due request, unless one is queued for that
+    /// instant or earlier already.
+    fn arm_arrival(&mut self) {
+        let Some(due) = self.workload.next_due_ns() else { return };
+        let at = due.max(self.now_ns);
+        if self.arrival_armed_ns.map_or(true, |armed| at < armed) {
+            self.arrival_armed_ns = Some(at);
+            self.push(at, Ev::Arrival);
+        }
+    }
+
     fn on_arrival(&mut self) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        if self.arrival_armed_ns == Some(now) {
+            self.arrival_armed_ns = None;
+        }
         if self.guards.len() >= self.cfg.max_in_flight {
             self.held_back = true;
             return Ok(());
         }
-        let Some(t) = self.next_arrival.take() else {
+        let Some(t) = self.workload.pop_due(now)? else {
+            self.arm_arrival();
             return Ok(());
         };
-        let now = self.now_ns;
         let request = t.to_request();
         self.arrivals += 1;
-        self.next_arrival = self.trace.next_request()?;
-        if let Some(n) = &self.next_arrival {
-            let at = n.arrival_ns().max(now);
-            self.push(at, Ev::Arrival);
-        }
+        self.arm_arrival();
         let id = request.id;
         self.emit_router(
             now,
@@ -1306,6 +1351,70 @@ impl<'a> Replay<'a> {
         Ok(())
     }
 
+    // ----- NIC contention (see `contention`) -----
+
+    /// Starts (or queues) a transfer in the contention model, from `from`'s NIC to slot `s`'s.
+    fn start_shared_transfer(
+        &mut self,
+        s: usize,
+        handoff: HandoffId,
+        from: WorkerId,
+        bytes: u64,
+    ) -> Result<(), ReplayError> {
+        let key = self.next_transfer_key;
+        self.next_transfer_key += 1;
+        let source = self.slot_of(from);
+        if let Some(m) = self.contention.as_mut() {
+            m.start(self.now_ns, key, source, s, bytes)
+                .map_err(|e| ReplayError::Engine(format!("transfer: {e}")))?;
+        }
+        self.transfers.insert(key, (s, handoff));
+        self.transfer_of.insert(handoff, key);
+        self.arm_transfer_tick();
+        Ok(())
+    }
+
+    /// A destination let go of its handoff: a transfer still queued or moving stops sharing.
+    fn cancel_shared_transfer(&mut self, handoff: HandoffId) {
+        let Some(key) = self.transfer_of.remove(&handoff) else { return };
+        self.transfers.remove(&key);
+        if let Some(m) = self.contention.as_mut() {
+            m.cancel(self.now_ns, key);
+        }
+        self.arm_transfer_tick();
+    }
+
+    fn arm_transfer_tick(&mut self) {
+        let Some(at) = self.contention.as_ref().and_then(|m| m.next_event_ns()) else { return };
+        let at = at.max(self.now_ns);
+        if self.tick_armed_ns.map_or(true, |armed| at < armed) {
+            self.tick_armed_ns = Some(at);
+            self.push(at, Ev::TransferTick);
+        }
+    }
+
+    fn on_transfer_tick(&mut self) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        if self.tick_armed_ns == Some(now) {
+            self.tick_armed_ns = None;
+        }
+        let done = self.contention.as_mut().map(|m| m.advance(now)).unwrap_or_default();
+        for c in done {
+            let Some((slot, handoff)) = self.transfers.remove(&c.key) else { continue };
+            self.transfer_of.remove(&handoff);
+            let fact = Fact::TransferTiming {
+                handoff,
+                queued_ns: c.queued_ns,
+                latency_ns: c.latency_ns,
+                moving_ns: c.moving_ns,
+            };
+            self.emit(slot, now, fact)?;
+            self.destination_event(slot, handoff, DestinationEvent::ReceiveCompleted)?;
+        }
+        self.arm_transfer_tick();
+        Ok(())
+    }
+
     // ----- role machines -----
 
     fn source_event(&mut self, s: usize, handoff: HandoffId, ev: SourceEvent) -> Result<(), ReplayError> {
@@ -1401,9 +1510,13 @@ impl<'a> Replay<'a> {
                     let request = req.request.clone();
                     batch.command(s, Cmd::Reserve { handoff, request, deadline_ns });
                 }
-                DestinationAction::StartReceive { missing_tokens, .. } => {
-                    let at = now + self.transfer.transfer_ns(missing_tokens as u64);
-                    self.push(at, Ev::TransferDone { slot: s, handoff });
+                DestinationAction::StartReceive { from, missing_tokens, bytes } => {
+                    if self.contention.is_some() {
+                        self.start_shared_transfer(s, handoff, from, bytes)?;
+                    } else {
+                        let at = now.saturating_add(self.transfer.transfer_ns(missing_tokens as u64));
+                        self.push(at, Ev::TransferDone { slot: s, handoff });
+                    }
                 }
                 DestinationAction::ActivateDestination { .. } => {
                     if let Some(req) = self.handoff_request.get(&handoff).copied() {
@@ -1427,6 +1540,7 @@ impl<'a> Replay<'a> {
         }
         self.push_all(batch.events);
         if released {
+            self.cancel_shared_transfer(handoff);
             self.slots[s].destinations.remove(&handoff);
             if let Some(req) = self.handoff_request.get(&handoff).copied() {
                 self.fail_unless_activated(req)?;
@@ -1554,10 +1668,14 @@ impl<'a> Replay<'a> {
             }
             self.forget_handoff(h);
         }
+        // The workload hears of every end: a session's next turn, a closed-loop slot.
+        self.workload.on_terminal(request.0, status.into(), now)?;
         if self.held_back {
             self.held_back = false;
+            self.arrival_armed_ns = Some(now);
             self.push(now, Ev::Arrival);
         }
+        self.arm_arrival();
         Ok(())
     }
 
