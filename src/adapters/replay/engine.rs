@@ -660,7 +660,14 @@ impl<'a> Replay<'a> {
                     self.execute(s, cmd)?;
                     self.push_all(then);
                 }
-                self.queue.push_start(s, now);
+                if self.queue.has_due(now) {
+                    self.queue.push_start(s, now);
+                } else {
+                    // Nothing else is due at this instant (no event, no other start), so
+                    // starting now is starting after everything of the instant: skip the
+                    // round trip through the queue that most step boundaries would take.
+                    self.kick(s)?;
+                }
             }
             Ev::StepStart(s) => self.kick(s)?,
             Ev::Command { slot, cmd, then } => {

@@ -189,6 +189,12 @@ impl<E> EventQueue<E> {
         self.pop(lane_event)
     }
 
+    /// Whether anything at all (a step start included) is due at or before `at_ns`.
+    pub fn has_due(&self, at_ns: u64) -> bool {
+        let start = if self.starts_used > 0 { self.start_at.iter().copied().min() } else { None };
+        [self.peek_time(), start].into_iter().flatten().any(|t| t <= at_ns)
+    }
+
     /// The time of the next event other than a step start.
     fn peek_time(&self) -> Option<u64> {
         let lane = if self.lanes_used > 0 { self.lane_at.iter().copied().min() } else { None };
