@@ -813,3 +813,108 @@ fn transfers_sharing_a_nic_share_its_bandwidth_when_contention_is_on() {
     assert!(queued[0] == 0.0 && (queued[1] - alone_ms).abs() < 1e-3, "{serial:?}");
     cli().arg("verify").arg(t.path().join("serial")).assert().success();
 }
+
+#[test]
+fn a_full_reservation_queue_fails_the_handoff_instead_of_renewing_its_lease_forever() {
+    // vLLM, lease renewal on, a pending-reservation FIFO of one: the decode refused the second
+    // reservation with an error the replay took for a race, and renewed that handoff's lease
+    // every 500 ms forever (the virtual clock ran for weeks, the logs grew ~300 MB/s).
+    let t = tempfile::tempdir().unwrap();
+    let cfg = t.path().join("renew.json");
+    std::fs::write(
+        &cfg,
+        r#"{"prefill_workers":1,"decode_workers":1,"vllm":{"num_gpu_blocks":1024,"max_pending_reservations":1},"lease_ms":2000,"lease_renew_ms":500}"#,
+    )
+    .unwrap();
+    let out = t.path().join("run");
+    let (report, rows) =
+        replay_per_request(&fixture("traces/cascade.jsonl"), &["--config", cfg.to_str().unwrap()], &out);
+    assert_eq!(report["drained"], true, "{report}");
+    let rejected = report["rejected_requests"].as_u64().unwrap();
+    assert!(rejected > 0, "{report}");
+    assert_eq!(
+        rows.iter().filter(|r| r["terminal_reason"] == "destination-rejected").count() as u64,
+        rejected
+    );
+    assert!(f(&report, "duration_ms") < 3_600_000.0, "{report}");
+}
+
+#[test]
+fn numbers_that_would_overflow_the_clock_or_the_machine_are_refused_by_name() {
+    let t = tempfile::tempdir().unwrap();
+    let far = t.path().join("far.jsonl");
+    std::fs::write(
+        &far,
+        "{\"timestamp\":0,\"input_length\":10,\"output_length\":2}\n{\"timestamp\":2e13,\"input_length\":10,\"output_length\":2}\n",
+    )
+    .unwrap();
+    let cascade = fixture("traces/cascade.jsonl");
+    let config = |name: &str, text: &str| {
+        let p = t.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec![far.display().to_string()], "far.jsonl:2: timestamp"),
+        (vec![cascade.display().to_string(), "--speedup".into(), "1e-12".into()], "cascade.jsonl:2"),
+        (
+            vec![
+                cascade.display().to_string(),
+                "--config".into(),
+                config("lease.json", r#"{"lease_ms":18446744073709551}"#).display().to_string(),
+            ],
+            "lease_ms",
+        ),
+        (
+            vec![
+                cascade.display().to_string(),
+                "--config".into(),
+                config("blocks.json", r#"{"vllm":{"num_gpu_blocks":4294967294}}"#).display().to_string(),
+            ],
+            "num_gpu_blocks",
+        ),
+        (
+            vec![
+                cascade.display().to_string(),
+                "--config".into(),
+                config("pages.json", r#"{"backend":"Sglang","sglang":{"total_pages":2147483647}}"#)
+                    .display()
+                    .to_string(),
+            ],
+            "total_pages",
+        ),
+        (
+            vec![
+                cascade.display().to_string(),
+                "--config".into(),
+                config("bw.json", r#"{"transfer":{"mode":"bandwidth","bandwidth_gbps":1e-300}}"#)
+                    .display()
+                    .to_string(),
+            ],
+            "bandwidth_gbps",
+        ),
+        (
+            vec![
+                cascade.display().to_string(),
+                "--prefill".into(),
+                "5000".into(),
+                "--decode".into(),
+                "1".into(),
+            ],
+            "workers",
+        ),
+    ];
+    for (args, needle) in cases {
+        let o = cli()
+            .arg("replay")
+            .args(&args)
+            .arg("--out")
+            .arg(t.path().join("out"))
+            .arg("--force")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}

@@ -106,6 +106,17 @@ impl Default for ReplayConfig {
     }
 }
 
+/// The longest timeout a configuration may give, in ms (10^12 ms ≈ 31.7 years; as ns it and any
+/// instant of the clock sum to well under u64::MAX).
+pub const MAX_DURATION_MS: u64 = 1_000_000_000_000;
+
+/// KV blocks (or pages) over every worker of a cluster (about 80 bytes each in the pools).
+pub const MAX_CLUSTER_BLOCKS: u64 = 1 << 26;
+
+/// Workers per role: each one holds an engine core and a stream; more than this is a mistake
+/// that would exhaust memory before it said so.
+pub const MAX_WORKERS: u32 = 1024;
+
 /// A configuration that cannot run.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -162,6 +173,30 @@ impl ReplayConfig {
         self.prefill_workers > 0 || self.decode_workers > 0
     }
 
+    /// The KV pools of every worker together must fit the machine: at most
+    /// `MAX_CLUSTER_BLOCKS` blocks (vLLM) or pages (SGLang) over the whole cluster.
+    fn validate_cluster_memory(&self) -> Result<(), ConfigError> {
+        use crate::ids::Role;
+        let roles: Vec<(Role, u32)> = if self.is_disaggregated() {
+            vec![(Role::Prefill, self.prefill_workers), (Role::Decode, self.decode_workers)]
+        } else {
+            vec![(Role::Aggregated, self.workers)]
+        };
+        let per_worker = |role| match self.backend {
+            Backend::Sglang => self.sglang_for(role).total_pages as u64,
+            _ => self.vllm_for(role).num_gpu_blocks as u64,
+        };
+        let total: u64 = roles.iter().map(|(role, n)| per_worker(*role) * *n as u64).sum();
+        if total > MAX_CLUSTER_BLOCKS {
+            let unit =
+                if self.backend == Backend::Sglang { "pages (total_pages" } else { "blocks (num_gpu_blocks" };
+            return Err(ConfigError::Invalid(format!(
+                "the cluster's KV pools hold {total} {unit} × workers); at most {MAX_CLUSTER_BLOCKS} fit this tool's memory budget (about 5 GB)"
+            )));
+        }
+        Ok(())
+    }
+
     /// Checks everything a replay relies on, naming the offending setting.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
@@ -183,6 +218,27 @@ impl ReplayConfig {
         }
         if self.lease_ms == 0 {
             return bad("lease_ms must be > 0".into());
+        }
+        // Every duration becomes nanoseconds added to an instant: bounded so that neither the
+        // multiplication nor the sum can wrap (a longer timeout must never fail requests sooner).
+        for (key, ms) in [
+            ("lease_ms", Some(self.lease_ms)),
+            ("lease_renew_ms", self.lease_renew_ms),
+            ("reservation_timeout_ms", Some(self.reservation_timeout_ms)),
+            ("bootstrap_timeout_ms", Some(self.bootstrap_timeout_ms)),
+        ] {
+            if let Some(ms) = ms.filter(|ms| *ms > MAX_DURATION_MS) {
+                return bad(format!("{key} is {ms} ms; at most {MAX_DURATION_MS} ms (about 31 years)"));
+            }
+        }
+        if self.prefill_workers > MAX_WORKERS
+            || self.decode_workers > MAX_WORKERS
+            || self.workers > MAX_WORKERS
+        {
+            return bad(format!(
+                "at most {MAX_WORKERS} workers per role (got --prefill {} --decode {} --workers {})",
+                self.prefill_workers, self.decode_workers, self.workers
+            ));
         }
         if let Some(r) = self.lease_renew_ms {
             if r == 0 || r >= self.lease_ms {
@@ -206,6 +262,7 @@ impl ReplayConfig {
                 "contention needs the bandwidth transfer model (transfer.mode = \"bandwidth\")".into()
             );
         }
+        self.validate_cluster_memory()?;
         crate::adapters::replay::faults::validate(&self.faults, self.effective_policy())
             .map_err(ConfigError::Invalid)?;
         Ok(())

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use crate::adapters::replay::transfer::BandwidthTransfer;
+use crate::adapters::replay::transfer::{BandwidthTransfer, MIN_BANDWIDTH_GBPS};
 
 /// Transfers the model holds at once (in flight plus finished but not yet handed back), so a
 /// runaway caller gets an error instead of unbounded memory.
@@ -47,9 +47,9 @@ pub struct NicOverride {
 
 fn check_bandwidth(field: &str, bandwidth_gbps: Option<f64>) -> Result<(), String> {
     match bandwidth_gbps {
-        Some(bw) if !(bw.is_finite() && bw > 0.0) => {
-            Err(format!("contention: {field} must be a finite number > 0, got {bw}"))
-        }
+        Some(bw) if !(bw.is_finite() && bw >= MIN_BANDWIDTH_GBPS) => Err(format!(
+            "contention: {field} must be a finite number >= {MIN_BANDWIDTH_GBPS} (1 MB/s), got {bw}"
+        )),
         _ => Ok(()),
     }
 }
@@ -545,10 +545,13 @@ mod tests {
         assert!(m.advance(9).is_empty());
         assert_eq!(m.in_flight(), 1);
         assert_eq!(drain(&mut m), vec![(1, 15, 0)]);
-        let mut m = model(2, 1e-300, u64::MAX, None);
+        // The slowest link and longest latency the configuration allows, and a transfer of
+        // u64::MAX bytes: the finish saturates at the end of time instead of wrapping.
+        let mut m = model(2, MIN_BANDWIDTH_GBPS, crate::adapters::replay::transfer::MAX_TRANSFER_NS, None);
         m.start(5, 1, 0, 1, u64::MAX).unwrap();
         m.start(5, 2, 1, 0, u64::MAX).unwrap();
-        assert_eq!(m.next_event_ns(), Some(u64::MAX));
+        let latency_ends = 5 + crate::adapters::replay::transfer::MAX_TRANSFER_NS;
+        assert_eq!(m.next_event_ns(), Some(latency_ends));
         assert_eq!(drain(&mut m), vec![(1, u64::MAX, 0), (2, u64::MAX, 0)]);
         assert_eq!(m.next_event_ns(), None);
     }

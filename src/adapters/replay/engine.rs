@@ -262,6 +262,11 @@ pub struct Replay<'a> {
     quiet: QuietRuns,
     /// Set when a worker is found livelocked: the run stops and says why.
     livelock: Option<String>,
+    /// The last instant something moved (see [`Replay::is_progress`]), and how long virtual
+    /// time may pass after it, with requests in flight and every worker idle, before the run
+    /// counts as stuck.
+    last_progress_ns: u64,
+    progress_limit_ns: u64,
 }
 
 /// A worker in a run of quiet steps: `steps` steps from `start_ns`, the first an ordinary step
@@ -508,6 +513,8 @@ impl<'a> Replay<'a> {
                 coalesced: 0,
             },
             livelock: None,
+            last_progress_ns: 0,
+            progress_limit_ns: 0,
             cfg,
         };
         for s in 0..r.slots.len() {
@@ -515,6 +522,14 @@ impl<'a> Replay<'a> {
             r.emit(s, 0, Fact::SessionStarted { generation: g })?;
         }
         r.emit_router(0, Fact::SessionStarted { generation: Generation(1) })?;
+        // Longer than every lifecycle timeout: by then a deadline would have moved something.
+        r.progress_limit_ns = r
+            .cfg
+            .lease_ms
+            .max(r.cfg.reservation_timeout_ms)
+            .max(r.cfg.bootstrap_timeout_ms)
+            .saturating_add(1_000)
+            .saturating_mul(NS_PER_MS);
         r.arm_arrival();
         Ok(r)
     }
@@ -535,7 +550,47 @@ impl<'a> Replay<'a> {
         }
     }
 
+    /// Whether a fact shows the run moving. Lease renewals, their messages and refused
+    /// reservation retries can repeat forever without anything changing, so they do not count.
+    fn is_progress(fact: &Fact) -> bool {
+        use crate::events::MessageKind::LeaseRenewal;
+        !matches!(
+            fact,
+            Fact::LeaseRenewed { .. }
+                | Fact::ReservationRefused { .. }
+                | Fact::MessageSent { kind: LeaseRenewal, .. }
+                | Fact::MessageReceived { kind: LeaseRenewal, .. }
+                | Fact::MessageRejected { kind: LeaseRenewal, .. }
+        )
+    }
+
+    /// Virtual time has passed the progress limit since anything moved: with requests in flight
+    /// and no worker computing, nothing but timers that change nothing is left, so the run
+    /// stops and names what keeps it alive.
+    fn check_progress(&mut self) {
+        if self.guards.is_empty() || self.slots.iter().any(|s| s.busy) || self.livelock.is_some() {
+            self.last_progress_ns = self.now_ns;
+            return;
+        }
+        let waiting: Vec<String> = self
+            .slots
+            .iter()
+            .flat_map(|s| s.destinations.iter().map(move |(h, m)| (s.id, *h, m.state_name())))
+            .take(5)
+            .map(|(w, h, state)| format!("{h} (destination on {w}, {state})"))
+            .collect();
+        self.livelock = Some(format!(
+            "no progress for {:.1} s of virtual time with {} requests in flight and every worker idle: only lease renewals and refused retries happen; waiting handoffs: {}",
+            self.now_ns.saturating_sub(self.last_progress_ns) as f64 / 1e9,
+            self.guards.len(),
+            if waiting.is_empty() { "none".to_string() } else { waiting.join(", ") }
+        ));
+    }
+
     fn emit(&mut self, slot: usize, at_ns: u64, fact: Fact) -> Result<(), ReplayError> {
+        if Self::is_progress(&fact) {
+            self.last_progress_ns = at_ns;
+        }
         let worker = self.slots[slot].id;
         if matches!(fact, Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared) {
             self.prefill_router.observe(worker, &fact);
@@ -586,6 +641,7 @@ impl<'a> Replay<'a> {
     }
 
     fn emit_router(&mut self, at_ns: u64, fact: Fact) -> Result<(), ReplayError> {
+        self.last_progress_ns = at_ns;
         self.sink.push(WorkerId::ROUTER, at_ns, fact)
     }
 
@@ -611,6 +667,9 @@ impl<'a> Replay<'a> {
                 self.events += 1;
             }
             self.handle(ev)?;
+            if self.now_ns.saturating_sub(self.last_progress_ns) > self.progress_limit_ns {
+                self.check_progress();
+            }
             if self.livelock.is_some() {
                 break;
             }
@@ -820,7 +879,10 @@ impl<'a> Replay<'a> {
             let d_slot = self.route_decode(id, &request)?;
             guard.decode = Some(d_slot);
             dest = Some(d_slot);
-            self.push(now + self.cfg.bootstrap_timeout_ms * NS_PER_MS, Ev::BootstrapTimer { request: id });
+            self.push(
+                now.saturating_add(self.cfg.bootstrap_timeout_ms * NS_PER_MS),
+                Ev::BootstrapTimer { request: id },
+            );
         }
         self.guards.insert(id, guard);
         let source = SourceHandoff::new(SourceInit {
@@ -893,7 +955,7 @@ impl<'a> Replay<'a> {
         self.slots[d_slot].destinations.insert(handoff, dest);
         self.destination_event(d_slot, handoff, DestinationEvent::Routed { worker: d })?;
         if let Some(renew) = self.cfg.lease_renew_ms {
-            self.push(now + renew * NS_PER_MS, Ev::RenewTimer { slot: d_slot, handoff });
+            self.push(now.saturating_add(renew * NS_PER_MS), Ev::RenewTimer { slot: d_slot, handoff });
         }
         Ok(())
     }
@@ -936,7 +998,7 @@ impl<'a> Replay<'a> {
                 slot.busy = true;
                 slot.pending = Some(out.effects);
                 slot.zero_steps = (u64::MAX, 0);
-                self.queue.push_lane(s, now + out.duration_ns, Ev::StepDone(s));
+                self.queue.push_lane(s, now.saturating_add(out.duration_ns), Ev::StepDone(s));
                 return Ok(());
             }
             if out.effects.facts.is_empty() && out.effects.outputs.is_empty() {
@@ -1601,7 +1663,7 @@ impl<'a> Replay<'a> {
         }
         self.destination_event(s, handoff, DestinationEvent::RenewLease)?;
         if let Some(renew) = self.cfg.lease_renew_ms {
-            self.push(now + renew * NS_PER_MS, Ev::RenewTimer { slot: s, handoff });
+            self.push(now.saturating_add(renew * NS_PER_MS), Ev::RenewTimer { slot: s, handoff });
         }
         Ok(())
     }

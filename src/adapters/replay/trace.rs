@@ -46,6 +46,11 @@ use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// The latest arrival (and the longest session delay) a trace may ask for, in ms after its
+/// first request: 10^12 ms, so that any instant plus any configured timeout stays well inside
+/// the u64 nanosecond clock (1.8 × 10^19 ns).
+pub const MAX_TRACE_MS: f64 = 1e12;
+
 /// A bad trace, named by file and 1-based line. `line` 0 means the file as a whole (it could
 /// not be opened, or its format could not be told); Display then reads `FILE: reason`.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -339,17 +344,33 @@ impl<R: BufRead> TraceReader<R> {
         }
         self.last_raw_ms = raw.timestamp_ms;
         let origin = *self.origin_ms.get_or_insert(raw.timestamp_ms);
+        let arrival_ms = (raw.timestamp_ms - origin) / self.speedup;
+        if arrival_ms.is_nan() || arrival_ms > MAX_TRACE_MS {
+            // Past this the nanosecond clock would saturate: requests would look as if their
+            // leases expired the instant they were pinned, silently.
+            return Err(self.error(format!(
+                "timestamp {} ms is {arrival_ms:.0} ms after the first request (after the speedup ratio {}), past the replay clock's range of {MAX_TRACE_MS:.0} ms (about 31 years)",
+                raw.timestamp_ms, self.speedup
+            )));
+        }
+        let delay_ms = raw.delay_ms.map(|d| d / self.speedup);
+        if let Some(d) = delay_ms.filter(|d| d.is_nan() || *d > MAX_TRACE_MS) {
+            return Err(self.error(format!(
+                "delay {d:.0} ms (after the speedup ratio {}) is past the replay clock's range of {MAX_TRACE_MS:.0} ms",
+                self.speedup
+            )));
+        }
         let index = self.index;
         self.index += 1;
         Ok(TraceRequest {
             index,
             line: self.line,
-            arrival_ms: (raw.timestamp_ms - origin) / self.speedup,
+            arrival_ms,
             input_tokens: raw.input_tokens,
             output_tokens: raw.output_tokens,
             hash_ids: raw.hash_ids,
             session_id: raw.session_id,
-            delay_ms: raw.delay_ms.map(|d| d / self.speedup),
+            delay_ms,
         })
     }
 }

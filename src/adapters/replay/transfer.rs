@@ -17,6 +17,13 @@ pub const DEFAULT_BANDWIDTH_GBPS: f64 = 64.0;
 /// A Llama-3-8B-shaped model: 32 layers × 2 (K and V) × 8 KV heads × 128 head dim × 2 bytes.
 pub const DEFAULT_KV_BYTES_PER_TOKEN: u64 = 131_072;
 
+/// Bounds on the link's settings, and the longest a transfer may take (≈ 31.7 years): a duration
+/// past it is cut to it, so that an instant plus a transfer never wraps the nanosecond clock (a
+/// transfer that long outlives every lease and reservation, which then fail it visibly).
+pub const MIN_BANDWIDTH_GBPS: f64 = 1e-3;
+pub const MAX_KV_BYTES_PER_TOKEN: u64 = 1 << 27;
+pub const MAX_TRANSFER_NS: u64 = 1_000_000_000_000_000_000;
+
 /// Delay = latency + bytes / bandwidth, bytes = missing tokens × KV bytes per token.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -55,14 +62,23 @@ impl BandwidthTransfer {
     }
 
     pub fn validate(&self) -> Result<(), TransferConfigError> {
-        if !(self.bandwidth_gbps.is_finite() && self.bandwidth_gbps > 0.0) {
+        if !(self.bandwidth_gbps.is_finite() && self.bandwidth_gbps >= MIN_BANDWIDTH_GBPS) {
             return Err(TransferConfigError(format!(
-                "bandwidth_gbps must be a finite number > 0, got {}",
+                "bandwidth_gbps must be a finite number >= {MIN_BANDWIDTH_GBPS} (1 MB/s), got {}",
                 self.bandwidth_gbps
             )));
         }
-        if self.kv_bytes_per_token == 0 {
-            return Err(TransferConfigError("kv_bytes_per_token must be > 0".into()));
+        if self.kv_bytes_per_token == 0 || self.kv_bytes_per_token > MAX_KV_BYTES_PER_TOKEN {
+            return Err(TransferConfigError(format!(
+                "kv_bytes_per_token must be in 1..={MAX_KV_BYTES_PER_TOKEN}, got {}",
+                self.kv_bytes_per_token
+            )));
+        }
+        if self.latency_ns > MAX_TRANSFER_NS {
+            return Err(TransferConfigError(format!(
+                "latency_ns must be at most {MAX_TRANSFER_NS}, got {}",
+                self.latency_ns
+            )));
         }
         Ok(())
     }
@@ -73,7 +89,7 @@ impl TransferModel for BandwidthTransfer {
         // bytes / (GB/s) = ns, since 1 GB/s moves one byte per ns. Round up: a transfer of any
         // bytes takes at least one ns. f64 is exact for byte counts below 2^53 (~9 PB).
         let wire_ns = (self.bytes(missing_tokens) as f64 / self.bandwidth_gbps).ceil();
-        self.latency_ns.saturating_add(wire_ns as u64)
+        self.latency_ns.saturating_add(wire_ns as u64).min(MAX_TRANSFER_NS)
     }
 }
 
@@ -124,6 +140,10 @@ impl TransferConfig {
     pub fn validate(&self) -> Result<(), TransferConfigError> {
         match self {
             TransferConfig::Bandwidth(b) => b.validate(),
+            TransferConfig::Fixed(f) if f.delay_ns > MAX_TRANSFER_NS => Err(TransferConfigError(format!(
+                "delay_ns must be at most {MAX_TRANSFER_NS}, got {}",
+                f.delay_ns
+            ))),
             TransferConfig::Fixed(_) => Ok(()),
         }
     }

@@ -76,6 +76,9 @@ pub enum ConfigError {
     BadSpeedup { prefill: f64, decode: f64 },
 }
 
+/// Most pages one worker may have (see `validate`).
+pub const MAX_PAGES: u32 = 1 << 24;
+
 impl SglangConfig {
     /// Checks every bound the core relies on (deltas are `i32`, token counts `u32`).
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -92,8 +95,9 @@ impl SglangConfig {
             Ok(())
         }
         at_least("total_pages", self.total_pages, 1)?;
-        // Deltas are i32 and a page count times the page size must stay a u32 token count.
-        at_most("total_pages", self.total_pages, i32::MAX as u32)?;
+        // Memory: the radix pool keeps a node's worth of state per page, so this bounds one
+        // worker to about 1.3 GB (and deltas, which are i32, stay exact).
+        at_most("total_pages", self.total_pages, MAX_PAGES)?;
         at_least("page_size", self.page_size, 1)?;
         at_most("page_size", self.page_size, 1 << 20)?;
         let tokens = self.total_pages as u64 * self.page_size as u64;

@@ -92,8 +92,10 @@ pub enum ConfigError {
     Backend(&'static str),
 }
 
-/// Block ids are u32 with one value reserved as a list sentinel.
-pub const MAX_BLOCKS: u32 = u32::MAX - 1;
+/// Most blocks one worker may have: the pool keeps about 80 bytes per block (the block, its
+/// hash buckets, free stack and LRU entry), so this is about 1.3 GB; more would exhaust the
+/// machine before saying why. (Block ids are u32 with one value reserved as a sentinel.)
+pub const MAX_BLOCKS: u32 = 1 << 24;
 
 impl VllmConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {

@@ -36,7 +36,9 @@
 //!   `Rejected` output and `Ok(Unavailable)`. Preempted requests (front) and activated
 //!   destinations (back) always re-enter: they were admitted already.
 //! * running: `max_num_seqs` (one request slot each).
-//! * pending reservations: `max_pending_reservations`; beyond it `Err(InvalidState)`.
+//! * pending reservations: `max_pending_reservations`; beyond it the reservation is refused for
+//!   good (`ReservationRefused{NoCapacity}` + `ReservationFailed` output, as SGLang's core does),
+//!   so the handoff fails instead of waiting on a queue it never entered.
 //! * A second live request with the same id is refused with `Err(InvalidState)`; for plain
 //!   `submit` the error names the nil handoff id (the contract has no request-level variant).
 //!
@@ -925,12 +927,12 @@ impl EngineCore for VllmCore {
         if !self.pending.is_empty() {
             // FIFO: never overtake a queued reservation.
             if self.pending.len() >= self.cfg.max_pending_reservations as usize {
-                let e = CommandError::InvalidState {
-                    handoff,
-                    command: "reserve_destination",
-                    state: "pending FIFO full",
-                };
-                return self.finish_command(Err(e), fx);
+                // A refusal the caller must act on: an `Err(InvalidState)` here once left the
+                // destination waiting (and renewing its source's lease) forever.
+                fx.facts.push(Fact::ReservationRefused { handoff, reason: RejectReason::NoCapacity });
+                fx.outputs
+                    .push(EngineOutput::ReservationFailed { handoff, reason: RejectReason::NoCapacity });
+                return self.finish_command(Ok(CommandOutcome::Applied), fx);
             }
             self.live.insert(request.id);
             self.dests.insert(handoff, Dst::Pending { request, deadline_ns, tried_epoch: None });
