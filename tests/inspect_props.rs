@@ -166,6 +166,7 @@ proptest! {
             pin_threshold_pct: pin_pct,
             stall_ms: STALL_MS,
             decode_full_pct: 95,
+            ..InspectOptions::default()
         };
         let mut fold = InspectFold::new(&[header()], opts);
         for r in &recs {

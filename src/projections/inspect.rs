@@ -1,5 +1,6 @@
 //! The post-mortem of a run (`handoff-log inspect`): did a stranding cascade happen, what set it
-//! off, where handoff time went, and where router bookings and physical occupancy parted ways.
+//! off, did decode workers thrash on preemption or block behind their queue's head, where
+//! handoff time went, and where router bookings and physical occupancy parted ways.
 //!
 //! ## Settled instants
 //! Records of one instant (`at_ns`) are applied together; every condition below is judged on
@@ -32,21 +33,58 @@
 //! * **Destination gating** (SGLang-style, reported as its own finding, never as a cascade): a
 //!   reservation that waited in a decode FIFO (`ReservationQueued`) before its prefill was
 //!   dispatched. Capacity waiting happens ahead of prefill, so source KV is not stranded.
+//! * **Preemption storm** on a decode (or aggregated) worker: a burst of `RequestPreempted`
+//!   facts (vLLM preemption, SGLang retraction). A window qualifies at an instant `τ` when at
+//!   least `storm_preemptions` (default 10) of the worker's preemptions fall in
+//!   `(τ − storm_window_ms, τ]` (default 1000 ms). A storm starts at the instant of the
+//!   preemption that first makes a window qualify, and ends when the count drops below the
+//!   threshold (exactly: when its window's oldest preemption ages out, unless preemptions at
+//!   that very instant keep it full) — unless a window qualifies again while it still holds one
+//!   of the storm's preemptions (before the storm's last preemption + `storm_window_ms`): such
+//!   consecutive windows overlap, so the storm resumes and its end moves on. Its preemptions are
+//!   those of its first window and every later one until it ends (none is in two storms). Its
+//!   longest stall is the longest `DecodeResumed::stalled_ns` of a stall that began with one of
+//!   its preemptions; `kv_used` is the settled share at the instant it started.
+//! * **Decode head-of-line blocking** on a decode (or aggregated) worker: a stretch during which
+//!   its scheduler view's `waiting` is non-empty (activated destinations waiting for admission,
+//!   preempted requests waiting to resume, queued requests on an aggregated worker), no
+//!   `RequestScheduled` happens on the worker, and the worker keeps stepping. Exactly: it starts
+//!   at the later of the worker's last `RequestScheduled` and the settled instant its waiting
+//!   queue became non-empty (no `stall_ms` is added: the start is when the queue last moved);
+//!   it ends at the first settled instant a request is scheduled or the queue is empty (or at the
+//!   run's end); it counts when it lasted at least `stall_ms` and never went `stall_ms` or more
+//!   without a `StepExecuted` (from its start to its end), so an idle worker is not blocked.
+//!   Its head is the request both engines admit next: the most recently preempted waiting
+//!   request (preemption puts a request back at the front of the queue), else the one queued
+//!   first. The head's need is the blocks it gave back at its last preemption (omitted when it
+//!   was never preempted there), beside free plus cached-free blocks at the stretch's start.
+//!   Any scheduling ends a stretch, also one that lets a request holding KV past the blocked
+//!   head (vLLM does when nothing runs), so a head starved for long shows as back-to-back
+//!   intervals naming the same head.
 //!
 //! ## Report (`--json` keys)
 //! [`InspectReport`] serializes with these top-level keys: `run` (ids, backend, policy, streams,
 //! records, time span), `options` (the thresholds above), `cascade` (`null` when none; else
 //! `started_at_ms`, `workers`, `trigger` (`null` if no decode pressure preceded the stall; else
 //! `kind`, `at_ms`, `decode_workers`, `pin_rise`, `summary`), `intervals`, `summary`), `gating`
-//! (`null` when none), `peaks` (per engine worker: value and `at_ms` of active, pinned, reserved,
-//! kv_used blocks and of each queue), `longest_pinned` (with every transition: `at_ms`,
-//! `delta_ms`, `worker`, `fact`, `message`), `wait_breakdown` (`phases` with totals and
-//! distributions, `outcomes`) and `bookings` (per worker peaks of booked and used blocks, their
-//! largest gaps, a bounded `series` of both over time, and `divergences`). Times are ms on the run's clock.
+//! (`null` when none), `preemption_storms` (`per_worker` totals, then `storms`: `worker`,
+//! `started_at_ms`, `ended_at_ms` (`null` if the run ended inside), `duration_ms`,
+//! `preemptions`, `requests`, `most_preempted_request`, `most_preempted_times`,
+//! `longest_stall_ms` and `longest_stall_request` (`null` if none resumed),
+//! `kv_used_at_start_pct`; and `storms_not_shown`), `decode_hol_blocking` (`per_worker` totals,
+//! then `intervals`: `worker`, `started_at_ms`, `ended_at_ms`, `duration_ms`, `peak_waiting`,
+//! `head_request`, `free_blocks_at_start` and, when known, `head_need_blocks`; and
+//! `intervals_not_shown`; both lists are empty when none were found), `peaks` (per engine
+//! worker: value and `at_ms` of active, pinned, reserved, kv_used blocks and of each queue),
+//! `longest_pinned` (with every transition: `at_ms`, `delta_ms`, `worker`, `fact`, `message`),
+//! `wait_breakdown` (`phases` with totals and distributions, `outcomes`) and `bookings` (per
+//! worker peaks of booked and used blocks, their largest gaps, a bounded `series` of both over
+//! time, and `divergences`). Times are ms on the run's clock.
 //!
 //! ## Cost
 //! One streaming pass folds capacity, queues, bookings, per-handoff milestones (only while a
-//! handoff is unfinished) and bounded-memory distributions; it keeps the ids of the `top_n`
+//! handoff is unfinished), decode storm windows (the last `storm_preemptions` preemptions per
+//! worker) and bounded-memory distributions; it keeps the ids of the `top_n`
 //! longest-pinned handoffs. A second pass over the same run collects the full cross-worker
 //! transitions of just those `top_n` handoffs. Memory grows with requests and handoffs in
 //! flight, never with the length of the log.
@@ -54,6 +92,10 @@
 use crate::events::{Fact, MessageKind, Record, RejectReason, RunReader, StreamHeader};
 use crate::ids::{CancelReason, EndReason, HandoffId, HandoffPolicy, RequestId, Role, WorkerId};
 use crate::projections::capacity::KvCapacitySnapshot;
+use crate::projections::decode_stalls::DecodeWatch;
+pub use crate::projections::decode_stalls::{
+    DecodeHolBlocking, HolInterval, HolWorker, PreemptionStorm, PreemptionStorms, StormWorker,
+};
 use crate::projections::distribution::{Distribution, Stats};
 use crate::projections::handoffs::HandoffLedger;
 use crate::projections::run::ProjectError;
@@ -73,11 +115,11 @@ pub const MAX_INTERVALS_PER_WORKER: usize = 64;
 /// ended) do not reopen them. Bounded; older ids are forgotten.
 const FINISHED_MEMORY: usize = 1 << 16;
 
-fn ms(ns: u64) -> f64 {
+pub(crate) fn ms(ns: u64) -> f64 {
     ns as f64 / NS_PER_MS
 }
 
-fn pct(part: u64, total: u64) -> f64 {
+pub(crate) fn pct(part: u64, total: u64) -> f64 {
     if total == 0 {
         0.0
     } else {
@@ -98,11 +140,22 @@ pub struct InspectOptions {
     pub stall_ms: u64,
     /// Decode `kv_used` share at which a decode worker counts as full.
     pub decode_full_pct: u32,
+    /// Preemptions within `storm_window_ms` on one worker that make a preemption storm.
+    pub storm_preemptions: u32,
+    /// The sliding window of a preemption storm.
+    pub storm_window_ms: u64,
 }
 
 impl Default for InspectOptions {
     fn default() -> Self {
-        InspectOptions { top_n: 5, pin_threshold_pct: 50, stall_ms: 1000, decode_full_pct: 95 }
+        InspectOptions {
+            top_n: 5,
+            pin_threshold_pct: 50,
+            stall_ms: 1000,
+            decode_full_pct: 95,
+            storm_preemptions: 10,
+            storm_window_ms: 1000,
+        }
     }
 }
 
@@ -364,6 +417,8 @@ pub struct InspectReport {
     pub options: InspectOptions,
     pub cascade: Option<Cascade>,
     pub gating: Option<Gating>,
+    pub preemption_storms: PreemptionStorms,
+    pub decode_hol_blocking: DecodeHolBlocking,
     pub peaks: Vec<WorkerPeaks>,
     pub longest_pinned: Vec<PinnedHandoff>,
     pub wait_breakdown: WaitBreakdown,
@@ -419,6 +474,8 @@ struct WorkerState {
     divergences_dropped: u64,
     gating_handoffs: u64,
     gating_pending_ns: u64,
+    /// Preemption storms and head-of-line blocking (decode and aggregated workers only).
+    decode: Option<DecodeWatch>,
 }
 
 impl WorkerState {
@@ -612,6 +669,14 @@ impl InspectFold {
                         divergences_dropped: 0,
                         gating_handoffs: 0,
                         gating_pending_ns: 0,
+                        decode: matches!(h.worker.role, Role::Decode | Role::Aggregated).then(|| {
+                            DecodeWatch::new(
+                                h.worker,
+                                opts.storm_preemptions,
+                                opts.storm_window_ms,
+                                opts.stall_ms,
+                            )
+                        }),
                     }
                 })
             })
@@ -704,6 +769,9 @@ impl InspectFold {
                 violation,
             })?;
             ws.dirty |= changes_view(&rec.fact);
+            if let Some(d) = ws.decode.as_mut() {
+                d.apply(at, &rec.fact);
+            }
             match &rec.fact {
                 Fact::RequestQueued { request } | Fact::RequestPreempted { request, .. }
                     if worker.role == Role::Prefill =>
@@ -1125,6 +1193,9 @@ impl InspectFold {
             if unbooked {
                 b.unbooked_pins_ms += span_ms;
             }
+            if let Some(d) = ws.decode.as_mut() {
+                d.settle(t, &c, v.waiting);
+            }
 
             // Stranding cascade on prefill workers.
             if ws.worker.role != Role::Prefill {
@@ -1235,6 +1306,8 @@ impl InspectFold {
         let mut intervals = Vec::new();
         let mut intervals_dropped = 0;
         let mut gating_workers = Vec::new();
+        let mut preemption_storms = PreemptionStorms::default();
+        let mut decode_hol_blocking = DecodeHolBlocking::default();
         let mut workers_info = Vec::new();
         for (h, ws) in self.headers.iter().zip(self.workers.iter_mut()) {
             workers_info.push(WorkerInfo {
@@ -1250,6 +1323,9 @@ impl InspectFold {
             }
             if let Some(st) = ws.stall.take() {
                 push_stall(ws, st, None, end);
+            }
+            if let Some(d) = ws.decode.as_mut() {
+                d.finish(end, &mut preemption_storms, &mut decode_hol_blocking);
             }
             for (slot, kind) in [(&mut ws.overbooked, "overbooked"), (&mut ws.unbooked, "unbooked_pins")] {
                 if let Some(d) = slot.take() {
@@ -1416,6 +1492,8 @@ impl InspectFold {
             options: self.opts,
             cascade,
             gating,
+            preemption_storms,
+            decode_hol_blocking,
             peaks,
             longest_pinned: Vec::new(),
             wait_breakdown: WaitBreakdown { handoffs: self.handoff_count, phases, outcomes: self.outcomes },

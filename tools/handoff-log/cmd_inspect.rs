@@ -3,8 +3,12 @@
 use crate::out::Out;
 use crate::CliError;
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
-use handoff_ledger::projections::inspect::{inspect_run, InspectOptions, InspectReport, PeakAt};
+use handoff_ledger::ids::WorkerId;
+use handoff_ledger::projections::inspect::{
+    inspect_run, InspectOptions, InspectReport, PeakAt, MAX_INTERVALS_PER_WORKER,
+};
 use indicatif::{ProgressBar, ProgressStyle};
+use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::path::Path;
 
@@ -27,6 +31,12 @@ pub struct InspectArgs {
     /// Decode kv_used share (%) at which a decode worker counts as full.
     #[arg(long, default_value_t = 95, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub decode_full_pct: u32,
+    /// Preemptions on one worker within `--storm-window-ms` that make a preemption storm.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    pub storm_preemptions: u32,
+    /// The sliding window (ms) of a preemption storm.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub storm_window_ms: u64,
 }
 
 pub fn run(args: &InspectArgs) -> Result<u8, CliError> {
@@ -35,6 +45,8 @@ pub fn run(args: &InspectArgs) -> Result<u8, CliError> {
         pin_threshold_pct: args.pin_threshold_pct,
         stall_ms: args.stall_ms,
         decode_full_pct: args.decode_full_pct,
+        storm_preemptions: args.storm_preemptions,
+        storm_window_ms: args.storm_window_ms,
     };
     let bar = if std::io::stderr().is_terminal() {
         let b = ProgressBar::new_spinner();
@@ -76,6 +88,49 @@ fn table() -> Table {
 
 fn f3(v: f64) -> String {
     format!("{v:.3}")
+}
+
+/// Rows per worker in the storm and head-of-line tables: the first ones tell how it began;
+/// `--json` keeps up to [`MAX_INTERVALS_PER_WORKER`] and the headline counts them all.
+const TEXT_ROWS_PER_WORKER: usize = 5;
+
+/// `interval` for 1, `intervals` for any other count.
+fn noun(n: u64, word: &str) -> String {
+    if n == 1 {
+        word.to_string()
+    } else {
+        format!("{word}s")
+    }
+}
+
+/// `1 interval`, `3 intervals`.
+fn plural(n: u64, word: &str) -> String {
+    format!("{n} {}", noun(n, word))
+}
+
+/// Workers named in a headline: a long cluster is summarized so the line stays readable.
+fn worker_list(workers: &[WorkerId]) -> String {
+    if workers.len() > 2 {
+        format!("{} workers", workers.len())
+    } else {
+        workers.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// The first `TEXT_ROWS_PER_WORKER` items of each worker, in the list's order, and how many
+/// were left out.
+fn first_per_worker<T>(items: &[T], worker: impl Fn(&T) -> WorkerId) -> (Vec<&T>, usize) {
+    let mut seen: BTreeMap<WorkerId, usize> = BTreeMap::new();
+    let shown: Vec<&T> = items
+        .iter()
+        .filter(|it| {
+            let n = seen.entry(worker(it)).or_insert(0);
+            *n += 1;
+            *n <= TEXT_ROWS_PER_WORKER
+        })
+        .collect();
+    let hidden = items.len() - shown.len();
+    (shown, hidden)
 }
 
 fn peak(p: &PeakAt) -> String {
@@ -189,6 +244,125 @@ pub fn text(r: &InspectReport, path: &Path) -> String {
             line(t.to_string());
         }
         None => line("DESTINATION GATING: none (no reservation waited ahead of prefill dispatch)".into()),
+    }
+    line(String::new());
+
+    // --- preemption storms ---
+    let ps = &r.preemption_storms;
+    if ps.per_worker.is_empty() {
+        line(format!(
+            "PREEMPTION STORMS: none (no worker had {} preemptions within {} ms)",
+            r.options.storm_preemptions, r.options.storm_window_ms
+        ));
+    } else {
+        let first = ps
+            .per_worker
+            .iter()
+            .min_by(|a, b| a.first_started_at_ms.total_cmp(&b.first_started_at_ms))
+            .expect("not empty");
+        let workers: Vec<WorkerId> = ps.per_worker.iter().map(|w| w.worker).collect();
+        line(format!(
+            "PREEMPTION STORMS: {} on {} (first at {:.3} ms on {}; {} of {})",
+            ps.per_worker.iter().map(|w| w.storms).sum::<u64>(),
+            worker_list(&workers),
+            first.first_started_at_ms,
+            first.worker,
+            plural(ps.per_worker.iter().map(|w| w.preemptions).sum::<u64>(), "preemption"),
+            plural(ps.per_worker.iter().map(|w| w.requests).sum::<u64>(), "request"),
+        ));
+        let mut t = table();
+        t.set_header(vec![
+            "worker",
+            "from (ms)",
+            "to (ms)",
+            "preemptions",
+            "requests",
+            "most preempted",
+            "longest stall (ms)",
+            "kv_used at start",
+        ]);
+        let (shown, hidden) = first_per_worker(&ps.storms, |s| s.worker);
+        for s in shown {
+            t.add_row(vec![
+                s.worker.to_string(),
+                f3(s.started_at_ms),
+                s.ended_at_ms.map(f3).unwrap_or_else(|| "run end".into()),
+                s.preemptions.to_string(),
+                s.requests.to_string(),
+                format!("{} ×{}", s.most_preempted_request, s.most_preempted_times),
+                match (s.longest_stall_ms, s.longest_stall_request) {
+                    (Some(d), Some(q)) => format!("{d:.3} ({q})"),
+                    _ => "not resumed".into(),
+                },
+                format!("{}%", s.kv_used_at_start_pct),
+            ]);
+        }
+        line(t.to_string());
+        let more = hidden as u64 + ps.storms_not_shown;
+        if more > 0 {
+            line(format!(
+                "  ({more} more {} not shown; --json lists the first {MAX_INTERVALS_PER_WORKER} per worker)",
+                noun(more, "storm")
+            ));
+        }
+    }
+    line(String::new());
+
+    // --- decode head-of-line blocking ---
+    let hb = &r.decode_hol_blocking;
+    if hb.per_worker.is_empty() {
+        line(format!(
+            "DECODE HEAD-OF-LINE BLOCKING: none (no busy decode worker went {} ms without scheduling a waiting request)",
+            r.options.stall_ms
+        ));
+    } else {
+        let first = hb
+            .per_worker
+            .iter()
+            .min_by(|a, b| a.first_started_at_ms.total_cmp(&b.first_started_at_ms))
+            .expect("not empty");
+        let workers: Vec<WorkerId> = hb.per_worker.iter().map(|w| w.worker).collect();
+        line(format!(
+            "DECODE HEAD-OF-LINE BLOCKING: {} on {} (first at {:.3} ms on {}; longest {:.3} ms)",
+            plural(hb.per_worker.iter().map(|w| w.intervals).sum::<u64>(), "interval"),
+            worker_list(&workers),
+            first.first_started_at_ms,
+            first.worker,
+            hb.per_worker.iter().map(|w| w.longest_ms).fold(0.0, f64::max),
+        ));
+        let mut t = table();
+        t.set_header(vec![
+            "worker",
+            "blocked from (ms)",
+            "to (ms)",
+            "for (ms)",
+            "peak waiting",
+            "head",
+            "free blocks / head needs",
+        ]);
+        let (shown, hidden) = first_per_worker(&hb.intervals, |i| i.worker);
+        for i in shown {
+            t.add_row(vec![
+                i.worker.to_string(),
+                f3(i.started_at_ms),
+                i.ended_at_ms.map(f3).unwrap_or_else(|| "run end".into()),
+                f3(i.duration_ms),
+                i.peak_waiting.to_string(),
+                i.head_request.map(|q| q.to_string()).unwrap_or_default(),
+                match i.head_need_blocks {
+                    Some(n) => format!("{} / {n}", i.free_blocks_at_start),
+                    None => i.free_blocks_at_start.to_string(),
+                },
+            ]);
+        }
+        line(t.to_string());
+        let more = hidden as u64 + hb.intervals_not_shown;
+        if more > 0 {
+            line(format!(
+                "  ({more} more {} not shown; --json lists the first {MAX_INTERVALS_PER_WORKER} per worker)",
+                noun(more, "interval")
+            ));
+        }
     }
     line(String::new());
 

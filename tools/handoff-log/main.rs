@@ -130,9 +130,10 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Post-mortem of a run: stranding cascade and its trigger, destination gating, peaks per
-    /// worker, the longest-pinned handoffs with their timelines, where handoff time went, and
-    /// router bookings beside physical occupancy.
+    /// Post-mortem of a run: stranding cascade and its trigger, destination gating, decode
+    /// preemption storms and head-of-line blocking, peaks per worker, the longest-pinned
+    /// handoffs with their timelines, where handoff time went, and router bookings beside
+    /// physical occupancy.
     Inspect(cmd_inspect::InspectArgs),
     /// Draw every worker's KV blocks (active / pinned / reserved / cached-free / free, router
     /// bookings dashed) and queue depths over time as an SVG.
