@@ -174,9 +174,14 @@ impl std::str::FromStr for WorkerId {
 /// The engine a worker models.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum Backend {
+    // Aliases: a config file takes the command line's spellings too (the on-disk log encodes
+    // the variant's index, which aliases do not touch).
+    #[serde(alias = "vllm")]
     Vllm,
+    #[serde(alias = "sglang")]
     Sglang,
     /// Modeled only far enough to refuse destination reservation (the proposal defers it).
+    #[serde(alias = "trtllm", alias = "trt-llm")]
     TrtLlm,
 }
 
@@ -201,10 +206,13 @@ impl Backend {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum HandoffPolicy {
     /// Plain behaviour: no source pin, no destination reservation.
+    #[serde(alias = "disabled")]
     Disabled,
     /// vLLM: prefill finishes and pins; decode reserves later.
+    #[serde(alias = "source-first")]
     SourceFirst,
     /// SGLang: decode reserves slot + pages + headroom before prefill is dispatched.
+    #[serde(alias = "destination-first")]
     DestinationFirst,
 }
 

@@ -13,7 +13,8 @@ use proptest::prelude::*;
 use std::path::Path;
 
 fn read_run(path: &Path) -> (Vec<StreamHeader>, Vec<(usize, Record)>) {
-    let mut r = RunReader::open(path).unwrap_or_else(|e| panic!("{e}"));
+    // Arbitrary facts name arbitrary workers: this reads the framing, not a consistent run.
+    let mut r = RunReader::open(path).unwrap_or_else(|e| panic!("{e}")).allow_missing_peers();
     let headers = r.headers().to_vec();
     let mut out = Vec::new();
     while let Some(x) = r.next().unwrap_or_else(|e| panic!("{e}")) {

@@ -918,3 +918,62 @@ fn numbers_that_would_overflow_the_clock_or_the_machine_are_refused_by_name() {
         assert!(err.contains(needle), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn a_run_that_lost_a_stream_is_reported_incomplete_by_every_command() {
+    // Other streams name decode-1 (bookings, messages, routing): folding the rest would give
+    // figures that look complete.
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    let cfg = fixture("configs/cascade.json");
+    replay("traces/cascade.jsonl", &["--config", cfg.to_str().unwrap()], &out);
+    std::fs::remove_file(out.join("decode-1.hlog")).unwrap();
+    for args in [vec!["verify"], vec!["project", "metrics"], vec!["inspect"], vec!["show"]] {
+        let (cmd, rest) = args.split_first().unwrap();
+        let o = cli().arg(cmd).arg(&out).args(rest).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?} accepted a run without decode-1");
+        assert!(err.contains("decode-1") && err.contains("incomplete run"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn merge_never_writes_over_its_inputs() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    replay("traces/mooncake-200.jsonl", SMALL, &out);
+    let before = dir_bytes(&out);
+    let merged = t.path().join("run.hrun");
+    for target in [out.join("router.hlog"), out.join("extra.hlog")] {
+        let o = cli().arg("merge").arg(&out).arg(&target).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{}", target.display());
+        assert!(String::from_utf8_lossy(&o.stderr).contains("refusing to write the merged run over"));
+    }
+    assert!(dir_bytes(&out) == before, "the run directory is untouched");
+    cli().arg("merge").arg(&out).arg(&merged).assert().success();
+    let o = cli().arg("merge").arg(&merged).arg(&merged).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    cli().arg("verify").arg(&merged).assert().success();
+}
+
+#[test]
+fn the_config_takes_the_command_lines_spellings_and_a_byte_order_mark() {
+    let t = tempfile::tempdir().unwrap();
+    let spelled = t.path().join("spelled.json");
+    std::fs::write(
+        &spelled,
+        "\u{feff}{\"backend\":\"sglang\",\"policy\":\"destination-first\",\"prefill_workers\":2,\"decode_workers\":2,\"prefill_router\":\"kv\",\"decode_router\":{\"mode\":\"kv\",\"temperature\":0.5}}",
+    )
+    .unwrap();
+    let canonical = t.path().join("canonical.json");
+    std::fs::write(
+        &canonical,
+        r#"{"backend":"Sglang","policy":"DestinationFirst","prefill_workers":2,"decode_workers":2,"prefill_router":{"mode":"kv"},"decode_router":{"mode":"kv","temperature":0.5}}"#,
+    )
+    .unwrap();
+    let a = t.path().join("a");
+    let b = t.path().join("b");
+    replay("traces/mooncake-200.jsonl", &["--config", spelled.to_str().unwrap()], &a);
+    replay("traces/mooncake-200.jsonl", &["--config", canonical.to_str().unwrap()], &b);
+    assert!(dir_bytes(&a) == dir_bytes(&b), "both spellings mean the same run");
+}

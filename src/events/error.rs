@@ -73,6 +73,15 @@ pub enum LogError {
     #[error("{}: no stream for worker {worker} in this run", path.display())]
     UnknownWorker { path: PathBuf, worker: WorkerId },
 
+    /// A record names a worker the run has no stream for: a stream was lost.
+    #[error("{}: incomplete run: {named_by}'s record seq {seq} names {worker}, which has no stream here (a lost `{worker}.hlog`?)", path.display())]
+    MissingStream { path: PathBuf, worker: WorkerId, named_by: WorkerId, seq: u64 },
+
+    /// A merged file would replace one of the run's own files, or land in its directory as a
+    /// stream.
+    #[error("{}: refusing to write the merged run over one of its inputs (or as a stream inside {}); choose another path", path.display(), run.display())]
+    OverwritesInput { path: PathBuf, run: PathBuf },
+
     /// A run directory holds no `{worker}.hlog` stream, or a merged file declares none.
     #[error("{}: run has no streams", path.display())]
     EmptyRun { path: PathBuf },
@@ -122,6 +131,8 @@ impl LogError {
             | LogError::WorkerMismatch { path, .. }
             | LogError::DuplicateWorker { path, .. }
             | LogError::UnknownWorker { path, .. }
+            | LogError::MissingStream { path, .. }
+            | LogError::OverwritesInput { path, .. }
             | LogError::EmptyRun { path }
             | LogError::RunExists { path, .. }
             | LogError::TooManyStreams { path, .. } => path,

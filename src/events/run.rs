@@ -71,6 +71,23 @@ pub enum RunKind {
     Stream,
 }
 
+/// The other worker a fact names, if any (a peer of a message or transfer, a routed worker).
+fn named_worker(fact: &Fact) -> Option<WorkerId> {
+    match fact {
+        Fact::PrefillBooked { worker, .. }
+        | Fact::PrefillComputeDone { worker, .. }
+        | Fact::PrefillBookingFreed { worker, .. }
+        | Fact::DecodeBooked { worker, .. }
+        | Fact::DecodeBookingFreed { worker, .. }
+        | Fact::DestinationRouted { worker, .. } => Some(*worker),
+        Fact::MessageSent { to, .. } => Some(*to),
+        Fact::MessageReceived { from, .. }
+        | Fact::MessageRejected { from, .. }
+        | Fact::ReceiveStarted { from, .. } => Some(*from),
+        _ => None,
+    }
+}
+
 /// One record of the merge heap. Ordered so that the max-heap pops the smallest
 /// `(at_ns, stream)` first.
 struct Head {
@@ -124,6 +141,10 @@ pub struct RunReader {
     source: Source,
     last_record_offset: Option<u64>,
     done: bool,
+    /// The run's workers, sorted (filled on first use by `check_peers`).
+    workers: Vec<WorkerId>,
+    /// Whether records naming a worker without a stream are an error (see `check_peers`).
+    peers_checked: bool,
 }
 
 impl RunReader {
@@ -176,6 +197,8 @@ impl RunReader {
             source: Source::Streams { readers, heap: BinaryHeap::new(), refill },
             last_record_offset: None,
             done: false,
+            workers: Vec::new(),
+            peers_checked: true,
         }
     }
 
@@ -277,7 +300,16 @@ impl RunReader {
             headers,
             last_record_offset: None,
             done: false,
+            workers: Vec::new(),
+            peers_checked: true,
         })
+    }
+
+    /// Reads records that name workers without a stream of their own (framing-level tools and
+    /// tests of arbitrary facts); a whole run read this way may be missing a stream unnoticed.
+    pub fn allow_missing_peers(mut self) -> Self {
+        self.peers_checked = false;
+        self
     }
 
     /// The stream headers in canonical order; record tuples index into this.
@@ -310,12 +342,36 @@ impl RunReader {
         if self.done {
             return Ok(None);
         }
-        let result = self.read_next();
+        let result = self.read_next().and_then(|r| self.check_peers(r));
         match &result {
             Ok(None) | Err(_) => self.done = true,
             Ok(Some(_)) => {}
         }
         result
+    }
+
+    /// A record naming a worker that has no stream in a whole run (directory or merged file)
+    /// means a stream was lost: folding the rest would give figures that look complete. A
+    /// single stream file is read alone on purpose, so its peers are not checked.
+    fn check_peers(&mut self, record: Option<(usize, Record)>) -> Result<Option<(usize, Record)>, LogError> {
+        let Some((i, rec)) = record else { return Ok(None) };
+        if self.kind != RunKind::Stream && self.peers_checked {
+            if let Some(peer) = named_worker(&rec.fact) {
+                if self.workers.is_empty() {
+                    self.workers = self.headers.iter().map(|h| h.worker).collect();
+                    self.workers.sort();
+                }
+                if self.workers.binary_search(&peer).is_err() {
+                    return Err(LogError::MissingStream {
+                        path: self.path.clone(),
+                        worker: peer,
+                        named_by: self.headers[i].worker,
+                        seq: rec.seq,
+                    });
+                }
+            }
+        }
+        Ok(Some((i, rec)))
     }
 
     fn read_next(&mut self) -> Result<Option<(usize, Record)>, LogError> {
@@ -494,8 +550,30 @@ pub fn write_merged(
     }
 }
 
+/// The merged file must not replace one of the files it is made from, nor become a stream of
+/// the run directory it reads (`merge RUN RUN/router.hlog` once replaced the run's own stream).
+fn refuse_overwriting_inputs(run: &RunReader, out_path: &Path) -> Result<(), LogError> {
+    let canonical = |p: &Path| fs::canonicalize(p).ok();
+    let out_dir = out_path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let out = canonical(out_dir).map(|d| d.join(out_path.file_name().unwrap_or_default()));
+    let Some(out) = out else { return Ok(()) };
+    let inputs: Vec<PathBuf> = run.stream_paths().iter().filter_map(|p| canonical(p)).collect();
+    let into_run_dir = run.kind() == RunKind::Directory
+        && canonical(run.path()).is_some_and(|d| out.parent() == Some(d.as_path()))
+        && out.extension().is_some_and(|e| e == "hlog");
+    if inputs.contains(&out) || into_run_dir {
+        return Err(LogError::OverwritesInput {
+            path: out_path.to_path_buf(),
+            run: run.path().to_path_buf(),
+        });
+    }
+    Ok(())
+}
+
 fn write_merged_to(run_path: &Path, tmp_path: &Path, out_path: &Path) -> Result<MergeSummary, LogError> {
-    let mut run = RunReader::open(run_path)?;
+    // Merging copies records; a lost stream is still reported when the merged file is read.
+    let mut run = RunReader::open(run_path)?.allow_missing_peers();
+    refuse_overwriting_inputs(&run, out_path)?;
     if run.headers().len() > u16::MAX as usize {
         return Err(LogError::TooManyStreams {
             path: run.path().into(),

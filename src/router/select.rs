@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 /// mode's name (`round-robin`, `random`, `kv`, `least-loaded`, `p2c`, `device-aware`) with its
 /// defaults.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "mode", rename_all = "kebab-case", try_from = "RawRouterMode")]
+#[serde(tag = "mode", rename_all = "kebab-case", try_from = "serde_json::Value")]
 pub enum RouterMode {
     /// Workers in id order, one after another. The reference's default.
     #[default]
@@ -47,6 +47,24 @@ struct RawRouterMode {
     overlap_weight: Option<f64>,
     temperature: Option<f64>,
     weights: Option<Vec<f64>>,
+}
+
+/// A config gives a mode either as the command line's name (`"kv"`) or as a table with its
+/// parameters (`{"mode": "kv", "temperature": 0.5}`).
+impl TryFrom<serde_json::Value> for RouterMode {
+    type Error = String;
+    fn try_from(v: serde_json::Value) -> Result<Self, String> {
+        match v {
+            serde_json::Value::String(name) => name.parse(),
+            table @ serde_json::Value::Object(_) => {
+                let raw: RawRouterMode = serde_json::from_value(table).map_err(|e| e.to_string())?;
+                raw.try_into()
+            }
+            other => {
+                Err(format!("a router mode is a name such as \"kv\" or a table with a `mode`, got {other}"))
+            }
+        }
+    }
 }
 
 impl TryFrom<RawRouterMode> for RouterMode {

@@ -133,7 +133,9 @@ impl ReplayConfig {
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path)
             .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
-        serde_json::from_str(&text).map_err(|e| ConfigError::Parse {
+        // Editors on some systems start a UTF-8 file with a byte-order mark; traces accept it too.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+        serde_json::from_str(text).map_err(|e| ConfigError::Parse {
             path: path.display().to_string(),
             line: e.line(),
             column: e.column(),
