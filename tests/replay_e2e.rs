@@ -945,15 +945,62 @@ fn merge_never_writes_over_its_inputs() {
     let before = dir_bytes(&out);
     let merged = t.path().join("run.hrun");
     for target in [out.join("router.hlog"), out.join("extra.hlog")] {
-        let o = cli().arg("merge").arg(&out).arg(&target).output().unwrap();
+        let o = cli().arg("merge").arg(&out).arg(&target).arg("--force").output().unwrap();
         assert_eq!(o.status.code(), Some(2), "{}", target.display());
         assert!(String::from_utf8_lossy(&o.stderr).contains("refusing to write the merged run over"));
     }
     assert!(dir_bytes(&out) == before, "the run directory is untouched");
     cli().arg("merge").arg(&out).arg(&merged).assert().success();
-    let o = cli().arg("merge").arg(&merged).arg(&merged).output().unwrap();
+    // An existing output is replaced only with --force (as replay's run directories); never
+    // when it is the input itself.
+    let o = cli().arg("merge").arg(&out).arg(&merged).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--force"));
+    cli().arg("merge").arg(&out).arg(&merged).arg("--force").assert().success();
+    let o = cli().arg("merge").arg(&merged).arg(&merged).arg("--force").output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("over one of its inputs"));
     cli().arg("verify").arg(&merged).assert().success();
+}
+
+#[test]
+fn show_selects_by_request_or_handoff_prefix_and_says_when_nothing_matches() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    replay("traces/mooncake-200.jsonl", SMALL, &out);
+    let lines = |args: &[&str]| {
+        let o = cli().arg("show").arg(&out).args(args).arg("--json").output().unwrap();
+        assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let of_request = lines(&["--request", "12"]);
+    let handoff = of_request.iter().find_map(|v| v["handoff"].as_str().map(String::from)).unwrap();
+    // Every record is about request 12 or its handoff, on the router and both roles' streams.
+    assert!(of_request.iter().all(|v| v["request"] == 12 || v["handoff"] == handoff.as_str()));
+    let workers: std::collections::BTreeSet<&str> =
+        of_request.iter().filter_map(|v| v["worker"].as_str()).collect();
+    assert!(workers.len() >= 3, "{workers:?}");
+    let by_prefix = lines(&["--handoff", &handoff[..8]]);
+    assert_eq!(by_prefix, lines(&["--handoff", &handoff]));
+    assert!(!by_prefix.is_empty() && by_prefix.iter().all(|v| v["handoff"] == handoff.as_str()));
+    for (args, code, needle) in [
+        (vec!["--request", "99999"], 1, "no records about request 99999"),
+        (vec!["--handoff", "ffffffff"], 1, "no handoff"),
+        (vec!["--handoff", "0"], 2, "ambiguous"),
+        (vec!["--handoff", "xyz"], 2, "not a HandoffId"),
+    ] {
+        let o = cli().arg("show").arg(&out).args(&args).output().unwrap();
+        assert_eq!(o.status.code(), Some(code), "{args:?}");
+        assert!(String::from_utf8_lossy(&o.stderr).contains(needle), "{args:?}");
+    }
+    let o = cli().arg("show").arg(fixture("traces/mooncake-200.jsonl")).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("is a Mooncake JSONL trace, not a log"));
+    let o = cli().arg("inspect").arg(&out).args(["--top", "0"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stdout).contains("none asked for: --top 0"));
 }
 
 #[test]

@@ -87,7 +87,7 @@ pub enum LogError {
     EmptyRun { path: PathBuf },
 
     /// Refusing to write a run over an existing one.
-    #[error("{}: already holds a run (found {existing}); refusing to mix runs", path.display())]
+    #[error("{}: already holds a run (found {existing}); refusing to mix runs (pass --force to replace it)", path.display())]
     RunExists { path: PathBuf, existing: String },
 
     /// More streams than a merged run can index (u16).

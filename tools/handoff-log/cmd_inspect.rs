@@ -400,7 +400,9 @@ pub fn text(r: &InspectReport, path: &Path) -> String {
 
     // --- longest pinned ---
     line(format!("HANDOFFS PINNED LONGEST (top {})", r.longest_pinned.len()));
-    if r.longest_pinned.is_empty() {
+    if r.options.top_n == 0 {
+        line("  (none asked for: --top 0)".into());
+    } else if r.longest_pinned.is_empty() {
         line("  (no source pins in this run)".into());
     }
     for h in &r.longest_pinned {

@@ -3,22 +3,68 @@
 use crate::out::Out;
 use crate::CliError;
 use handoff_ledger::events::{Fact, Record, RunReader};
-use handoff_ledger::ids::{HandoffId, WorkerId};
+use handoff_ledger::ids::{HandoffId, RequestId, WorkerId};
 use serde_json::{Map, Value};
+use std::collections::BTreeSet;
 use std::path::Path;
 
-pub fn run(
-    log: &Path,
-    handoff: Option<&str>,
-    worker: Option<&str>,
-    limit: Option<u64>,
-    json_out: bool,
-) -> Result<u8, CliError> {
-    let handoff: Option<HandoffId> = handoff
-        .map(|h| {
-            h.parse().map_err(|e| CliError::new(2, format!("--handoff {h}: not a HandoffId (UUID): {e}")))
-        })
-        .transpose()?;
+/// What `show` selects.
+pub struct Filter<'a> {
+    /// A HandoffId or a prefix of one (as `show` and `inspect` print them).
+    pub handoff: Option<&'a str>,
+    pub request: Option<u64>,
+    pub worker: Option<&'a str>,
+    pub limit: Option<u64>,
+}
+
+/// The one handoff whose id starts with `prefix`: a full id is taken as is; otherwise the run is
+/// scanned for the ids it names. None matching is a finding (exit 1), several a usage error.
+fn resolve_handoff(log: &Path, prefix: &str) -> Result<HandoffId, CliError> {
+    if let Ok(h) = prefix.parse::<HandoffId>() {
+        return Ok(h);
+    }
+    let wanted = prefix.to_ascii_lowercase();
+    if wanted.is_empty() || !wanted.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+        return Err(CliError::new(
+            2,
+            format!("--handoff {prefix}: not a HandoffId or a prefix of one (hex digits)"),
+        ));
+    }
+    let mut run = RunReader::open(log)?;
+    let mut found = BTreeSet::new();
+    while let Some((_, rec)) = run.next()? {
+        if let Some(h) = rec.fact.handoff().filter(|h| h.to_string().starts_with(&wanted)) {
+            found.insert(h);
+        }
+    }
+    let mut found = found.into_iter();
+    match (found.next(), found.next()) {
+        (Some(h), None) => Ok(h),
+        (None, _) => Err(CliError::new(
+            1,
+            format!("--handoff {prefix}: no handoff in {} starts with it", log.display()),
+        )),
+        (Some(a), Some(b)) => Err(CliError::new(
+            2,
+            format!("--handoff {prefix}: ambiguous in {} ({a}, {b}, ...); give more digits", log.display()),
+        )),
+    }
+}
+
+pub fn run(log: &Path, filter: Filter<'_>, json_out: bool) -> Result<u8, CliError> {
+    if let Some(kind) = trace_kind(log) {
+        return Err(CliError::new(
+            2,
+            format!(
+                "{}: this is a {kind} trace, not a log; replay it first (handoff-log replay {} --out DIR), then show DIR",
+                log.display(),
+                log.display()
+            ),
+        ));
+    }
+    let Filter { handoff, request, worker, limit } = filter;
+    let handoff: Option<HandoffId> = handoff.map(|h| resolve_handoff(log, h)).transpose()?;
+    let request = request.map(RequestId);
     let worker: Option<WorkerId> = worker
         .map(|w| w.parse().map_err(|e: String| CliError::new(2, format!("--worker: {e}"))))
         .transpose()?;
@@ -47,13 +93,25 @@ pub fn run(
         out.line(&if json_out { json_line(w, rec) } else { text_line(w, rec) })?;
         Ok(true)
     };
-    if crate::cmd_index::indexed_show(log, handoff, worker, &mut emit)? {
+    if request.is_none() && crate::cmd_index::indexed_show(log, handoff, worker, &mut emit)? {
         out.flush()?;
         return Ok(0);
     }
+    // A request's records: those naming it, and those of its handoffs (known from the
+    // `HandoffStarted` that precedes every other fact of a handoff on each stream).
+    let mut handoffs_of_request: BTreeSet<HandoffId> = BTreeSet::new();
     while let Some((i, rec)) = run.next()? {
         let w = workers[i];
-        if worker.is_some_and(|x| x != w) || handoff.is_some_and(|h| rec.fact.handoff() != Some(h)) {
+        if let (Some(r), Fact::HandoffStarted { handoff: h, request: of, .. }) = (request, &rec.fact) {
+            if *of == r {
+                handoffs_of_request.insert(*h);
+            }
+        }
+        let about_request = request.is_none_or_matches(&rec.fact, &handoffs_of_request);
+        if worker.is_some_and(|x| x != w)
+            || handoff.is_some_and(|h| rec.fact.handoff() != Some(h))
+            || !about_request
+        {
             continue;
         }
         if limit.is_some_and(|l| shown >= l) {
@@ -63,7 +121,47 @@ pub fn run(
         out.line(&if json_out { json_line(w, &rec) } else { text_line(w, &rec) })?;
     }
     out.flush()?;
+    if shown == 0 && (handoff.is_some() || request.is_some()) {
+        let what = match (handoff, request) {
+            (Some(h), _) => format!("handoff {h}"),
+            (None, Some(r)) => format!("request {}", r.0),
+            _ => unreachable!("checked above"),
+        };
+        return Err(CliError::new(1, format!("no records about {what} in {}", log.display())));
+    }
     Ok(0)
+}
+
+/// Whether a record is about the selected request (always, without `--request`).
+trait RequestMatch {
+    fn is_none_or_matches(&self, fact: &Fact, handoffs: &BTreeSet<HandoffId>) -> bool;
+}
+
+impl RequestMatch for Option<RequestId> {
+    fn is_none_or_matches(&self, fact: &Fact, handoffs: &BTreeSet<HandoffId>) -> bool {
+        match self {
+            None => true,
+            Some(r) => fact.request() == Some(*r) || fact.handoff().is_some_and(|h| handoffs.contains(&h)),
+        }
+    }
+}
+
+/// A trace file given where a log belongs: its kind, when its start says so.
+fn trace_kind(path: &Path) -> Option<&'static str> {
+    use std::io::Read;
+    let mut head = [0u8; 256];
+    let n = std::fs::File::open(path).ok()?.read(&mut head).ok()?;
+    let text = String::from_utf8_lossy(&head[..n]);
+    let text = text.trim_start_matches('\u{feff}').trim_start();
+    if text.starts_with('{') {
+        Some("Mooncake JSONL")
+    } else if text.to_ascii_uppercase().starts_with("TIMESTAMP")
+        || text.to_ascii_uppercase().contains(",TIMESTAMP")
+    {
+        Some("Azure CSV")
+    } else {
+        None
+    }
 }
 
 /// The fact's variant name and its fields as a JSON object.

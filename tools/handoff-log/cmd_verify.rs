@@ -66,7 +66,18 @@ pub fn run(logs: &[PathBuf], json_out: bool) -> Result<u8, CliError> {
 }
 
 /// `handoff-log merge RUN OUT`.
-pub fn merge(run: &std::path::Path, out_path: &std::path::Path, json_out: bool) -> Result<u8, CliError> {
+pub fn merge(
+    run: &std::path::Path,
+    out_path: &std::path::Path,
+    force: bool,
+    json_out: bool,
+) -> Result<u8, CliError> {
+    if out_path.exists() && !force {
+        return Err(CliError::new(
+            2,
+            format!("{}: already exists; refusing to replace it (pass --force)", out_path.display()),
+        ));
+    }
     let s = handoff_ledger::events::write_merged(run, out_path)?;
     let mut out = Out::new();
     if json_out {

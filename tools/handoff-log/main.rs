@@ -42,9 +42,13 @@ enum Command {
     Show {
         /// A run directory, stream file or merged run file.
         log: PathBuf,
-        /// Only records about this HandoffId.
+        /// Only records about this HandoffId (or an unambiguous prefix of one).
         #[arg(long)]
         handoff: Option<String>,
+        /// Only records about this request (its index in the trace, as `r12` shows it: 12),
+        /// its handoff's included.
+        #[arg(long)]
+        request: Option<u64>,
         /// Only records from this worker (`prefill-0`, `decode-1`, `router`, ...).
         #[arg(long)]
         worker: Option<String>,
@@ -64,6 +68,9 @@ enum Command {
         run: PathBuf,
         /// The merged file to write (conventionally `*.hrun`).
         out: PathBuf,
+        /// Replace an existing file at OUT (as `replay --force` replaces a run).
+        #[arg(long)]
+        force: bool,
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
@@ -178,15 +185,23 @@ fn main() -> ExitCode {
     // HANDOFF_LOG=debug; the default is silent so stdout and stderr stay for results and errors.
     let filter = tracing_subscriber::EnvFilter::try_from_env("HANDOFF_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    // Colours only for a person at a terminal, not in a file or a CI log.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi)
+        .try_init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Verify { logs, json } => cmd_verify::run(&logs, json),
-        Command::Show { log, handoff, worker, limit, json } => {
-            cmd_show::run(&log, handoff.as_deref(), worker.as_deref(), limit, json)
+        Command::Show { log, handoff, request, worker, limit, json } => {
+            let filter =
+                cmd_show::Filter { handoff: handoff.as_deref(), request, worker: worker.as_deref(), limit };
+            cmd_show::run(&log, filter, json)
         }
         Command::Project { log, what, json } => cmd_project::run(&log, what, json),
-        Command::Merge { run, out, json } => cmd_verify::merge(&run, &out, json),
+        Command::Merge { run, out, force, json } => cmd_verify::merge(&run, &out, force, json),
         Command::Recover { run, json } => cmd_verify::recover(&run, json),
         Command::Replay(args) => cmd_replay::run(args),
         Command::Inspect(args) => cmd_inspect::run(&args),

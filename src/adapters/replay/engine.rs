@@ -1794,11 +1794,13 @@ impl<'a> Replay<'a> {
             }
         }
         for (r, g) in &self.guards {
+            let name =
+                |slot: Option<usize>| slot.map_or("none".to_string(), |s| self.slots[s].id.to_string());
             out.push(format!(
-                "{r} never reached a terminal outcome (prefill {:?}, decode {:?}, handoff {:?})",
-                g.prefill.map(|p| self.slots[p].id.to_string()),
-                g.decode.map(|d| self.slots[d].id.to_string()),
-                g.handoff.map(|h| h.to_string())
+                "{r} never reached a terminal outcome (prefill {}, decode {}, handoff {})",
+                name(g.prefill),
+                name(g.decode),
+                g.handoff.map_or("none".to_string(), |h| h.to_string())
             ));
         }
         out
