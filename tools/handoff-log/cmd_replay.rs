@@ -61,8 +61,8 @@ pub struct ReplayArgs {
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Directory for the run's fact streams (one `.hlog` per worker plus `router.hlog`).
-    #[arg(long)]
-    pub out: PathBuf,
+    #[arg(long, required_unless_present = "print_config")]
+    pub out: Option<PathBuf>,
     /// Replace the streams of an earlier run in `--out`.
     #[arg(long)]
     pub force: bool,
@@ -75,6 +75,10 @@ pub struct ReplayArgs {
     /// Print the report as JSON on stdout instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Print the full effective configuration (the config file and flags over every default)
+    /// as JSON and exit without replaying; docs/config.md explains each key.
+    #[arg(long)]
+    pub print_config: bool,
 }
 
 fn parse_backend(s: &str) -> Result<Backend, String> {
@@ -137,8 +141,15 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         cfg.load = handoff_ledger::adapters::replay::workload::LoadMode::Closed { concurrency: n };
     }
     cfg.validate()?;
-    if a.force && a.out.is_dir() {
-        for entry in std::fs::read_dir(&a.out)? {
+    if a.print_config {
+        let text = serde_json::to_string_pretty(&cfg)
+            .map_err(|e| CliError::new(2, format!("printing the configuration: {e}")))?;
+        Out::new().line(&text)?;
+        return Ok(0);
+    }
+    let out_dir = a.out.clone().ok_or_else(|| CliError::new(2, "--out DIR is required"))?;
+    if a.force && out_dir.is_dir() {
+        for entry in std::fs::read_dir(&out_dir)? {
             let p = entry?.path();
             if p.extension().and_then(|e| e.to_str()) == Some("hlog") {
                 std::fs::remove_file(&p)?;
@@ -189,7 +200,7 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         }
     };
     let started = Instant::now();
-    let replay = Replay::new(cfg, trace, &a.out, per_request)?.with_progress(&mut progress);
+    let replay = Replay::new(cfg, trace, &out_dir, per_request)?.with_progress(&mut progress);
     let outcome = replay.run()?;
     let wall_ms = started.elapsed().as_secs_f64() * 1e3;
     if let Some(cpu_ms) = thread_cpu_ms() {
@@ -218,7 +229,7 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         m.insert("wall_time_ms".into(), wall_ms.into());
         m.insert("drained".into(), outcome.drained.into());
         m.insert("events".into(), outcome.events.into());
-        m.insert("log_dir".into(), a.out.display().to_string().into());
+        m.insert("log_dir".into(), out_dir.display().to_string().into());
         let w = &outcome.workload;
         m.insert("sessions".into(), w.sessions_seen.into());
         m.insert("session_turns_dropped".into(), w.turns_dropped.into());
@@ -260,7 +271,7 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
             "wall time {:.0} ms for {} events; logs in {}",
             wall_ms,
             outcome.events,
-            a.out.display()
+            out_dir.display()
         ))?;
     }
     out.flush()?;

@@ -25,8 +25,8 @@ pub struct VllmConfig {
     /// Preempted requests re-enter at the front and are never refused (they were admitted once).
     #[serde(default = "d_max_waiting")]
     pub max_waiting_requests: u32,
-    /// Bound of the pending-reservation FIFO. A reservation beyond it is refused with
-    /// `InvalidState` (the caller must fail the handoff).
+    /// Bound of the pending-reservation FIFO. A reservation beyond it is refused for good
+    /// (`ReservationRefused{NoCapacity}` and a `ReservationFailed` output: the handoff fails).
     #[serde(default = "d_max_pending")]
     pub max_pending_reservations: u32,
     #[serde(default)]
