@@ -1024,3 +1024,32 @@ fn the_config_takes_the_command_lines_spellings_and_a_byte_order_mark() {
     replay("traces/mooncake-200.jsonl", &["--config", canonical.to_str().unwrap()], &b);
     assert!(dir_bytes(&a) == dir_bytes(&b), "both spellings mean the same run");
 }
+
+#[test]
+fn project_exports_per_request_records_and_capacity_series() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    let per = out.with_extension("requests.jsonl");
+    replay("traces/mooncake-200.jsonl", &[SMALL, &["--per-request", per.to_str().unwrap()]].concat(), &out);
+    // Folded from the logs, the per-request lines are the ones the replay wrote.
+    let o = cli().arg("project").arg(&out).arg("requests").output().unwrap();
+    assert!(o.status.success());
+    assert_eq!(String::from_utf8_lossy(&o.stdout), std::fs::read_to_string(&per).unwrap());
+    let o = cli().arg("project").arg(&out).args(["requests", "--csv"]).output().unwrap();
+    let csv = String::from_utf8_lossy(&o.stdout).to_string();
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    assert!(header.contains(&"ttft_ms") && header.contains(&"terminal_reason"));
+    assert_eq!(lines.filter(|l| l.split(',').count() == header.len()).count(), 200);
+    // Series: every row has every column, and each worker ends drained.
+    let o = cli().arg("project").arg(&out).args(["series", "--csv"]).output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    let rows: Vec<Vec<&str>> = text.lines().skip(1).map(|l| l.split(',').collect()).collect();
+    assert!(rows.len() > 100 && rows.iter().all(|r| r.len() == 16));
+    let mut last_used: BTreeMap<&str, &str> = BTreeMap::new();
+    for r in &rows {
+        last_used.insert(r[1], r[5]);
+    }
+    assert_eq!(last_used.len(), 4);
+    assert!(last_used.values().all(|v| *v == "0"), "{last_used:?}");
+}

@@ -21,6 +21,12 @@ pub enum Projection {
     Scheduler,
     /// Serving metrics (TTFT, ITL, TPOT, E2E) and stranding figures, as the replay reports them.
     Metrics,
+    /// One record per ended request, in arrival order, with replay's `--per-request` fields
+    /// (docs/per-request.md): JSON lines, or CSV with `--csv`.
+    Requests,
+    /// Every engine worker's capacity and queues at each instant they changed: one row per
+    /// worker and instant (CSV with `--csv`, JSON lines otherwise).
+    Series,
 }
 
 fn ms(ns: u64) -> String {
@@ -31,10 +37,150 @@ fn opt_ms(ns: Option<u64>) -> serde_json::Value {
     ns.map_or(serde_json::Value::Null, |v| json!(v as f64 / 1e6))
 }
 
-pub fn run(log: &Path, what: Projection, json_out: bool) -> Result<u8, CliError> {
+/// Per-request records through the metrics fold's own sink (the same lines replay writes).
+fn requests(run: &mut RunReader, out: &mut Out, csv: bool) -> Result<(), CliError> {
+    use handoff_ledger::projections::{MetricsFold, PerRequest};
+    use std::sync::{Arc, Mutex};
+    let rows: Arc<Mutex<Vec<PerRequest>>> = Arc::default();
+    let sink_rows = rows.clone();
+    let headers = run.headers().to_vec();
+    let mut fold = MetricsFold::new().with_sink(Box::new(move |r: &PerRequest| {
+        if let Ok(mut v) = sink_rows.lock() {
+            v.push(r.clone());
+        }
+    }));
+    for h in &headers {
+        fold.add_stream(h);
+    }
+    let mut header_written = false;
+    // Lines leave as the fold releases them (arrival order), so memory stays bounded.
+    let mut flush = |out: &mut Out, all: Vec<PerRequest>| -> Result<(), CliError> {
+        for r in all {
+            let value = serde_json::to_value(&r).map_err(|e| CliError::new(2, e.to_string()))?;
+            let Some(m) = value.as_object() else { continue };
+            if csv {
+                if !header_written {
+                    out.line(&m.keys().cloned().collect::<Vec<_>>().join(","))?;
+                    header_written = true;
+                }
+                out.line(&m.values().map(csv_cell).collect::<Vec<_>>().join(","))?;
+            } else {
+                // The struct's own field order: the very lines replay's --per-request writes.
+                out.line(&serde_json::to_string(&r).map_err(|e| CliError::new(2, e.to_string()))?)?;
+            }
+        }
+        Ok(())
+    };
+    while let Some((i, rec)) = run.next()? {
+        fold.apply(headers[i].worker, &rec);
+        let ready = rows.lock().map(|mut v| std::mem::take(&mut *v)).unwrap_or_default();
+        flush(out, ready)?;
+    }
+    fold.report();
+    let rest = rows.lock().map(|mut v| std::mem::take(&mut *v)).unwrap_or_default();
+    flush(out, rest)
+}
+
+fn csv_cell(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::Null => String::new(),
+        serde_json::Value::String(s) if s.contains([',', '"', '\n']) => {
+            format!("\"{}\"", s.replace('"', "\"\""))
+        }
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// Capacity and queues per engine worker at every settled instant that changed them.
+fn series(run: &mut RunReader, out: &mut Out, csv: bool) -> Result<(), CliError> {
+    use handoff_ledger::projections::at::{CapacityView, StreamFold};
+    use handoff_ledger::schedulers::SchedulerView;
+    let headers = run.headers().to_vec();
+    let mut folds: Vec<StreamFold> = headers.iter().map(StreamFold::new).collect();
+    let mut last: Vec<Option<(CapacityView, SchedulerView)>> = vec![None; headers.len()];
+    let mut changed: Vec<usize> = Vec::new();
+    let mut instant: Option<u64> = None;
+    if csv {
+        out.line("at_ms,worker,active_blocks,pinned_source_blocks,reserved_destination_blocks,kv_used_blocks,cached_free_blocks,free_blocks,total_blocks,request_slots_used,decode_headroom_tokens,waiting,running,waiting_for_remote_kv,held_prefills,pending_reservations")?;
+    }
+    let emit = |out: &mut Out,
+                at_ns: u64,
+                changed: &mut Vec<usize>,
+                folds: &[StreamFold],
+                last: &mut Vec<Option<(CapacityView, SchedulerView)>>|
+     -> Result<(), CliError> {
+        changed.sort_unstable();
+        changed.dedup();
+        for &i in changed.iter() {
+            let f = &folds[i];
+            if let Some(v) = &f.violation {
+                return Err(CliError::new(1, format!("{}: contradicts itself: {v}", f.worker)));
+            }
+            let now = (CapacityView::from(&f.capacity), f.scheduler.view());
+            if last[i].as_ref() == Some(&now) {
+                continue;
+            }
+            let (c, q) = now;
+            if csv {
+                out.line(&format!(
+                    "{:.3},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+                    at_ns as f64 / 1e6,
+                    f.worker,
+                    c.active_blocks,
+                    c.pinned_source_blocks,
+                    c.reserved_destination_blocks,
+                    c.kv_used_blocks,
+                    c.cached_free_blocks,
+                    c.free_blocks,
+                    c.total_blocks,
+                    c.request_slots_used,
+                    c.decode_headroom_tokens,
+                    q.waiting,
+                    q.running,
+                    q.waiting_for_remote_kv,
+                    q.held_prefills,
+                    q.pending_reservations
+                ))?;
+            } else {
+                out.line(&json!({"at_ms": at_ns as f64 / 1e6, "worker": f.worker.to_string(), "capacity": c, "queues": q}).to_string())?;
+            }
+            last[i] = Some(now);
+        }
+        changed.clear();
+        Ok(())
+    };
+    while let Some((i, rec)) = run.next()? {
+        if headers[i].worker.role == handoff_ledger::ids::Role::Router {
+            continue;
+        }
+        if let Some(t) = instant.filter(|t| *t != rec.at_ns) {
+            emit(out, t, &mut changed, &folds, &mut last)?;
+        }
+        instant = Some(rec.at_ns);
+        folds[i].apply(&rec);
+        changed.push(i);
+    }
+    if let Some(t) = instant {
+        emit(out, t, &mut changed, &folds, &mut last)?;
+    }
+    Ok(())
+}
+
+pub fn run(log: &Path, what: Projection, json_out: bool, csv: bool) -> Result<u8, CliError> {
     let mut run = RunReader::open(log)?;
     let mut out = Out::new();
     match what {
+        Projection::Requests => {
+            requests(&mut run, &mut out, csv)?;
+            out.flush()?;
+            return Ok(0);
+        }
+        Projection::Series => {
+            series(&mut run, &mut out, csv)?;
+            out.flush()?;
+            return Ok(0);
+        }
         Projection::Capacity => {
             let rows = project_capacity(&mut run)?;
             if json_out {

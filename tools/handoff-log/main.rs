@@ -136,6 +136,9 @@ enum Command {
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
+        /// CSV (`requests` and `series`): one header line, then one row per record.
+        #[arg(long, conflicts_with = "json")]
+        csv: bool,
     },
     /// Post-mortem of a run: stranding cascade and its trigger, destination gating, decode
     /// preemption storms and head-of-line blocking, peaks per worker, the longest-pinned
@@ -200,7 +203,7 @@ fn main() -> ExitCode {
                 cmd_show::Filter { handoff: handoff.as_deref(), request, worker: worker.as_deref(), limit };
             cmd_show::run(&log, filter, json)
         }
-        Command::Project { log, what, json } => cmd_project::run(&log, what, json),
+        Command::Project { log, what, json, csv } => cmd_project::run(&log, what, json, csv),
         Command::Merge { run, out, force, json } => cmd_verify::merge(&run, &out, force, json),
         Command::Recover { run, json } => cmd_verify::recover(&run, json),
         Command::Replay(args) => cmd_replay::run(args),
