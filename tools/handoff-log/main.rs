@@ -57,7 +57,7 @@ enum Command {
     },
     /// Replay a trace through a simulated disaggregated (or aggregated) cluster; print the
     /// serving report and write one fact stream per worker to `--out`.
-    Replay(cmd_replay::ReplayArgs),
+    Replay(Box<cmd_replay::ReplayArgs>),
     /// Write a run directory as one merged file (records in merge order).
     Merge {
         /// A run directory (or any run).
@@ -187,7 +187,7 @@ fn main() -> ExitCode {
         Command::Project { log, what, json } => cmd_project::run(&log, what, json),
         Command::Merge { run, out, json } => cmd_verify::merge(&run, &out, json),
         Command::Recover { run, json } => cmd_verify::recover(&run, json),
-        Command::Replay(args) => cmd_replay::run(args),
+        Command::Replay(args) => cmd_replay::run(*args),
         Command::Inspect(args) => cmd_inspect::run(&args),
         Command::Timeline(args) => cmd_timeline::run(&args),
         Command::Diff { a, b, json, timing_tolerance, strict_timing } => {
