@@ -34,7 +34,7 @@ pub fn table(r: &MetricsReport) -> String {
                 (Some(slo), Some(rps), Some(share)) => {
                     format!("{} requests/s, {:.1}% of requests (SLO {slo})", f(rps), share * 100.0)
                 }
-                _ => "— (no --slo given)".to_string(),
+                _ => "— (no SLO given)".to_string(),
             },
         ),
         ("output tokens/s", f(r.output_throughput_tok_s)),
