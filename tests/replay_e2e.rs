@@ -89,6 +89,21 @@ fn folding_the_logs_reproduces_the_printed_report() {
         for k in ["wall_time_ms", "drained", "events", "log_dir", "sessions", "session_turns_dropped"] {
             assert!(report.remove(k).is_some(), "report lacks {k}");
         }
+        // What was run: from the replay's own inputs, not folded from the facts.
+        for k in [
+            "run_id",
+            "backend",
+            "policy",
+            "shape",
+            "prefill_router",
+            "decode_router",
+            "seed",
+            "trace",
+            "trace_lines",
+            "config_digest",
+        ] {
+            assert!(report.remove(k).is_some(), "report lacks {k}");
+        }
         assert_eq!(Value::Object(report), projected, "{backend}");
         assert_eq!(projected["completed_requests"], 200);
         assert!(projected["mean_ttft_ms"].as_f64().unwrap() > 0.0);

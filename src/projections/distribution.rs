@@ -118,6 +118,41 @@ impl Distribution {
         self.max
     }
 
+    /// The empirical CDF from the buckets: `(value / scale, share of samples ≤ value)` at bucket
+    /// midpoints (clamped to min / max), in rising order, ending at `(max, 1)`. Thinned to about
+    /// `max_points` (a point is kept once the share has risen by `1 / max_points` since the last
+    /// kept one), so drawing it costs the same for any number of samples.
+    pub fn cdf(&self, scale: f64, max_points: usize) -> Vec<(f64, f64)> {
+        if self.count == 0 {
+            return Vec::new();
+        }
+        let step = 1.0 / max_points.max(1) as f64;
+        let n = self.count as f64;
+        let mut out: Vec<(f64, f64)> = Vec::new();
+        let mut seen = 0u64;
+        let mut last_kept = -1.0;
+        for (g, group) in self.groups.iter().enumerate() {
+            let Some(group) = group else { continue };
+            for (i, &w) in group.iter().enumerate() {
+                if w == 0 {
+                    continue;
+                }
+                seen += w;
+                let share = seen as f64 / n;
+                if out.is_empty() || share - last_kept >= step || seen == self.count {
+                    let v = bucket_mid(((g << SUB_BITS) + i) as u32).clamp(self.min, self.max);
+                    out.push((v / scale, share));
+                    last_kept = share;
+                }
+            }
+        }
+        if let Some(last) = out.last_mut() {
+            // The top bucket's midpoint can sit below the largest sample.
+            *last = (self.max / scale, 1.0);
+        }
+        out
+    }
+
     /// Statistics with every value divided by `scale` (1e6 turns ns into ms).
     pub fn stats(&self, scale: f64) -> Stats {
         if self.count == 0 {
@@ -158,6 +193,19 @@ mod tests {
         assert_eq!(s.count, 100);
         assert!((s.mean - 50.5).abs() < 1e-9);
         assert_eq!((s.min, s.max), (1.0, 100.0));
+    }
+
+    #[test]
+    fn cdf_rises_to_one_at_the_maximum_and_is_thinned() {
+        let mut d = Distribution::new();
+        for v in 1..=1000u64 {
+            d.add(v * 1000);
+        }
+        let c = d.cdf(1e3, 50);
+        assert!(c.len() <= 52, "{}", c.len());
+        assert_eq!(*c.last().unwrap(), (1000.0, 1.0));
+        assert!(c.windows(2).all(|w| w[0].0 <= w[1].0 && w[0].1 < w[1].1));
+        assert!(Distribution::new().cdf(1.0, 10).is_empty());
     }
 
     proptest! {

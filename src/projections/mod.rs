@@ -14,6 +14,7 @@ pub mod metrics;
 
 pub use metrics::{MetricsFold, MetricsReport, PerRequest, PerRequestSink};
 pub mod at;
+pub mod compare;
 pub mod decode_stalls;
 pub mod diff;
 pub mod inspect;

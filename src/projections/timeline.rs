@@ -419,12 +419,12 @@ const Q_COLORS: [&str; 5] = ["#d62f8f", "#3b6fb6", "#8e5cc2", "#e0542c", "#1d9e8
 const Q_LABELS: [&str; 5] =
     ["waiting", "running", "waiting for remote KV", "held prefills", "pending reservations"];
 
-fn esc(s: &str) -> String {
+pub(crate) fn esc(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }
 
 /// A "nice" tick step (1, 2 or 5 × 10^k) giving about `target` ticks over `span`.
-fn nice_step(span: f64, target: f64) -> f64 {
+pub(crate) fn nice_step(span: f64, target: f64) -> f64 {
     if span <= 0.0 || !span.is_finite() {
         return 1.0;
     }
@@ -443,7 +443,7 @@ fn nice_step(span: f64, target: f64) -> f64 {
     m * mag
 }
 
-fn fmt_tick(v: f64, step: f64) -> String {
+pub(crate) fn fmt_tick(v: f64, step: f64) -> String {
     let decimals = if step >= 1.0 { 0 } else { (-step.log10().floor()) as usize };
     format!("{v:.decimals$}")
 }
@@ -464,7 +464,7 @@ impl Scale {
 }
 
 /// Step path of one stacked layer: the top boundary left to right, the bottom right to left.
-fn layer_path(xs: &[f64], tops: &[f64], bottoms: &[f64], x_end: f64) -> String {
+pub(crate) fn layer_path(xs: &[f64], tops: &[f64], bottoms: &[f64], x_end: f64) -> String {
     let mut d = String::new();
     let n = xs.len();
     let _ = write!(d, "M{:.2},{:.2}", xs[0], tops[0]);
@@ -483,7 +483,7 @@ fn layer_path(xs: &[f64], tops: &[f64], bottoms: &[f64], x_end: f64) -> String {
 }
 
 /// Step line through `(x, y)` points, held to `x_end`.
-fn step_line(xs: &[f64], ys: &[f64], x_end: f64) -> String {
+pub(crate) fn step_line(xs: &[f64], ys: &[f64], x_end: f64) -> String {
     let mut d = String::new();
     let _ = write!(d, "M{:.2},{:.2}", xs[0], ys[0]);
     for i in 1..xs.len() {

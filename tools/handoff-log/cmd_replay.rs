@@ -4,13 +4,16 @@
 use crate::out::Out;
 use crate::CliError;
 use handoff_ledger::adapters::replay::config::ReplayConfig;
-use handoff_ledger::adapters::replay::engine::Replay;
+use handoff_ledger::adapters::replay::engine::{Replay, ReplayOptions, ReplayOutcome};
+use handoff_ledger::adapters::replay::identity::TraceIdentity;
 use handoff_ledger::adapters::replay::trace::{TraceFormat, TraceOptions, TraceReader};
 use handoff_ledger::ids::{Backend, HandoffPolicy};
+use handoff_ledger::projections::compare::router_label;
+use handoff_ledger::projections::metrics::Slo;
 use handoff_ledger::projections::{PerRequest, PerRequestSink};
 use handoff_ledger::router::RouterMode;
 use std::fs::File;
-use std::io::{BufRead, BufReader, BufWriter, IsTerminal, Write};
+use std::io::{BufRead, BufReader, BufWriter, IsTerminal, Read, Write};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -79,6 +82,12 @@ pub struct ReplayArgs {
     /// as JSON and exit without replaying; docs/config.md explains each key.
     #[arg(long)]
     pub print_config: bool,
+    /// Goodput objectives, ms: any of ttft_ms, itl_ms, tpot_ms, e2e_ms, e.g.
+    /// `ttft_ms=2000,itl_ms=50`. Goodput is the completed requests per second (over the run's
+    /// duration) that met every one, and the share of all requests that did. itl_ms and
+    /// tpot_ms are both checked against the request's mean inter-token gap (its TPOT).
+    #[arg(long, value_name = "KEY=MS,...")]
+    pub slo: Option<Slo>,
 }
 
 fn parse_backend(s: &str) -> Result<Backend, String> {
@@ -157,8 +166,16 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         }
     }
     let opts = TraceOptions { format: a.trace_format, speedup: cfg.arrival_speedup };
-    let file = File::open(&a.trace).map_err(|e| CliError::new(2, format!("{}: {e}", a.trace.display())))?;
-    let reader: Box<dyn BufRead> = Box::new(BufReader::with_capacity(1 << 20, file));
+    let trace_error = |e: std::io::Error| CliError::new(2, format!("{}: {e}", a.trace.display()));
+    let mut file = File::open(&a.trace).map_err(trace_error)?;
+    // The run id needs the trace's fingerprint before the first header is written; the prefix
+    // read for it is handed to the trace reader, so no byte is read twice.
+    let meta = file.metadata().map_err(trace_error)?;
+    let file_bytes = meta.is_file().then_some(meta.len());
+    let (trace_identity, prefix) =
+        TraceIdentity::read(&a.trace, &mut file, file_bytes).map_err(trace_error)?;
+    let reader: Box<dyn BufRead> =
+        Box::new(BufReader::with_capacity(1 << 20, std::io::Cursor::new(prefix).chain(file)));
     let trace = TraceReader::new(reader, &a.trace, opts)?;
 
     // Per-request lines stream out as requests end (from the log writer's thread); the first
@@ -200,7 +217,8 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         }
     };
     let started = Instant::now();
-    let replay = Replay::new(cfg, trace, &out_dir, per_request)?.with_progress(&mut progress);
+    let options = ReplayOptions { trace: Some(trace_identity), slo: a.slo.unwrap_or_default(), per_request };
+    let replay = Replay::with_options(cfg, trace, &out_dir, options)?.with_progress(&mut progress);
     let outcome = replay.run()?;
     let wall_ms = started.elapsed().as_secs_f64() * 1e3;
     if let Some(cpu_ms) = thread_cpu_ms() {
@@ -236,6 +254,9 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         if !outcome.faults.is_empty() {
             m.insert("faults".into(), serde_json::to_value(&outcome.faults).unwrap_or_default());
         }
+        for (k, v) in what_was_run(&outcome) {
+            m.insert(k.into(), v);
+        }
     }
     if let Some(p) = &a.report_json {
         let text = serde_json::to_string_pretty(&json).unwrap_or_default();
@@ -245,6 +266,7 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
     if a.json {
         out.line(&serde_json::to_string_pretty(&json).unwrap_or_default())?;
     } else {
+        out.line(&headline(&outcome))?;
         out.line(&crate::report::table(&outcome.report))?;
         let w = &outcome.workload;
         if w.sessions_seen > 0 {
@@ -286,6 +308,47 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         return Ok(1);
     }
     Ok(0)
+}
+
+/// What was run, for the report JSON: the run id, the cluster and the trace (key `trace_lines`
+/// counts every line read, blank ones included).
+fn what_was_run(o: &ReplayOutcome) -> Vec<(&'static str, serde_json::Value)> {
+    let d = &o.description;
+    vec![
+        ("run_id", o.run_id.to_string().into()),
+        ("backend", o.backend.as_str().into()),
+        ("policy", o.policy.as_str().into()),
+        ("shape", d.shape.clone().into()),
+        ("prefill_router", d.prefill_router.as_ref().map(router_label).into()),
+        ("decode_router", d.decode_router.as_ref().map(router_label).into()),
+        ("seed", o.seed.into()),
+        ("trace", d.trace.clone().into()),
+        ("trace_lines", o.trace_lines_read.into()),
+        ("config_digest", d.config_digest.clone().into()),
+    ]
+}
+
+/// One line above the report table saying what was run.
+fn headline(o: &ReplayOutcome) -> String {
+    let d = &o.description;
+    let routers = match (&d.prefill_router, &d.decode_router) {
+        (Some(p), Some(q)) => {
+            format!("prefill router {}, decode router {}", router_label(p), router_label(q))
+        }
+        (Some(p), None) => format!("router {}", router_label(p)),
+        _ => "routers unknown".to_string(),
+    };
+    format!(
+        "run {} · {} · {} · {} · {routers} · seed {} · trace {} ({} lines) · config {}",
+        o.run_id,
+        o.backend.as_str(),
+        o.policy.as_str(),
+        d.shape.as_deref().unwrap_or("—"),
+        o.seed,
+        d.trace.as_deref().unwrap_or("—"),
+        o.trace_lines_read,
+        d.config_digest.as_deref().unwrap_or("—"),
+    )
 }
 
 /// The per-request file and its first write error.

@@ -1,6 +1,7 @@
 //! `handoff-log`: record, replay, check and explain KV handoff logs.
 
 mod cmd_at;
+mod cmd_compare;
 mod cmd_diff;
 mod cmd_index;
 mod cmd_inspect;
@@ -61,7 +62,7 @@ enum Command {
     },
     /// Replay a trace through a simulated disaggregated (or aggregated) cluster; print the
     /// serving report and write one fact stream per worker to `--out`.
-    Replay(cmd_replay::ReplayArgs),
+    Replay(Box<cmd_replay::ReplayArgs>),
     /// Write a run directory as one merged file (records in merge order).
     Merge {
         /// A run directory (or any run).
@@ -105,6 +106,11 @@ enum Command {
         #[arg(long)]
         strict_timing: bool,
     },
+    /// Several runs side by side: what was run (backend, policy, shape, routers, seed, trace)
+    /// and what came out (outcomes, goodput, latency, stranding, peaks, preemptions), each
+    /// folded from its logs, with every run after the first also as its difference from the
+    /// first. Exit 0, or 2 naming an unusable run.
+    Compare(cmd_compare::CompareArgs),
     /// Every worker's capacity snapshot, scheduler queues and router bookings at an instant
     /// (all records with at_ns <= T applied). Uses the run's index when present.
     At {
@@ -206,12 +212,13 @@ fn main() -> ExitCode {
         Command::Project { log, what, json, csv } => cmd_project::run(&log, what, json, csv),
         Command::Merge { run, out, force, json } => cmd_verify::merge(&run, &out, force, json),
         Command::Recover { run, json } => cmd_verify::recover(&run, json),
-        Command::Replay(args) => cmd_replay::run(args),
+        Command::Replay(args) => cmd_replay::run(*args),
         Command::Inspect(args) => cmd_inspect::run(&args),
         Command::Timeline(args) => cmd_timeline::run(&args),
         Command::Diff { a, b, json, timing_tolerance, strict_timing } => {
             cmd_diff::run(&a, &b, json, timing_tolerance, strict_timing)
         }
+        Command::Compare(args) => cmd_compare::run(&args),
         Command::At { log, time, json } => cmd_at::run(&log, &time, json),
         Command::Index { log, json } => cmd_index::run(&log, json),
     };

@@ -28,6 +28,15 @@ pub fn table(r: &MetricsReport) -> String {
         ("input / output tokens", format!("{} / {}", r.total_input_tokens, r.total_output_tokens)),
         ("virtual duration (s)", f(r.duration_ms / 1e3)),
         ("requests/s", f(r.request_throughput_rps)),
+        (
+            "goodput",
+            match (r.slo, r.goodput_rps, r.goodput_fraction) {
+                (Some(slo), Some(rps), Some(share)) => {
+                    format!("{} requests/s, {:.1}% of requests (SLO {slo})", f(rps), share * 100.0)
+                }
+                _ => "— (no SLO given)".to_string(),
+            },
+        ),
         ("output tokens/s", f(r.output_throughput_tok_s)),
         ("total tokens/s", f(r.total_throughput_tok_s)),
         ("prefix cache reuse", format!("{:.1}%", r.prefix_cache_reused_ratio * 100.0)),

@@ -22,6 +22,7 @@
 use crate::adapters::replay::config::{ConfigError, ReplayConfig};
 use crate::adapters::replay::contention::ContentionModel;
 use crate::adapters::replay::faults::{FaultKind, FaultReport, FaultState, Late};
+use crate::adapters::replay::identity::{self, TraceIdentity};
 use crate::adapters::replay::queue::EventQueue;
 use crate::adapters::replay::sink::FactSink;
 use crate::adapters::replay::trace::{TraceError, TraceReader};
@@ -37,7 +38,8 @@ use crate::lifecycle::destination::{
 };
 use crate::lifecycle::messages::HandoffMessage;
 use crate::lifecycle::source::{SourceAction, SourceConfig, SourceEvent, SourceHandoff, SourceInit};
-use crate::projections::metrics::{MetricsFold, MetricsReport, PerRequestSink};
+use crate::projections::compare::RunDescription;
+use crate::projections::metrics::{MetricsFold, MetricsReport, PerRequestSink, Slo};
 use crate::router::Router;
 use crate::schedulers::sglang::SglangCore;
 use crate::schedulers::vllm::VllmCore;
@@ -197,6 +199,15 @@ struct Guard {
 /// What a finished replay hands back.
 pub struct ReplayOutcome {
     pub report: MetricsReport,
+    pub run_id: uuid::Uuid,
+    pub backend: Backend,
+    /// The policy in force.
+    pub policy: HandoffPolicy,
+    pub seed: u64,
+    /// What was run, as the router stream's header records it.
+    pub description: RunDescription,
+    /// Lines of the trace read (blank lines counted): all of them unless the run stopped early.
+    pub trace_lines_read: u64,
     /// Every worker drained at the end.
     pub drained: bool,
     /// When not drained: one line per stuck handoff or request, saying where and on what.
@@ -216,8 +227,21 @@ pub struct ReplayOutcome {
 /// Progress callback: (requests arrived, virtual time ns).
 pub type Progress<'a> = &'a mut dyn FnMut(u64, u64);
 
+/// What a replay records besides its configuration (all optional).
+#[derive(Default)]
+pub struct ReplayOptions {
+    /// The trace file, for the run id and the router header (`None`: an in-memory trace).
+    pub trace: Option<TraceIdentity>,
+    /// Goodput objectives for the report (empty: no goodput).
+    pub slo: Slo,
+    /// Receives each request's record as it ends (`--per-request`).
+    pub per_request: Option<PerRequestSink>,
+}
+
 pub struct Replay<'a> {
     cfg: ReplayConfig,
+    run_id: uuid::Uuid,
+    description: RunDescription,
     policy: HandoffPolicy,
     now_ns: u64,
     events: u64,
@@ -375,12 +399,23 @@ impl QuietRuns {
 }
 
 impl<'a> Replay<'a> {
-    /// Builds the cluster and opens the output streams in `out_dir`.
+    /// Builds the cluster and opens the output streams in `out_dir`; the run id comes from the
+    /// configuration and seed alone (see [`Replay::with_options`] for one that knows its trace).
     pub fn new(
         cfg: ReplayConfig,
         trace: TraceReader<Box<dyn std::io::BufRead>>,
         out_dir: &Path,
         per_request: Option<PerRequestSink>,
+    ) -> Result<Self, ReplayError> {
+        Self::with_options(cfg, trace, out_dir, ReplayOptions { per_request, ..ReplayOptions::default() })
+    }
+
+    /// [`Replay::new`] with what the run records about its trace and the goodput objectives.
+    pub fn with_options(
+        cfg: ReplayConfig,
+        trace: TraceReader<Box<dyn std::io::BufRead>>,
+        out_dir: &Path,
+        options: ReplayOptions,
     ) -> Result<Self, ReplayError> {
         cfg.validate()?;
         let policy = cfg.effective_policy();
@@ -388,7 +423,13 @@ impl<'a> Replay<'a> {
         let transfer = cfg.transfer;
         let workload = Workload::new(trace, cfg.load, cfg.max_buffered_requests)?;
         let mut mint = IdMint::from_seed(cfg.seed);
-        let run_id = uuid::Uuid::from_u64_pair(mint.next_u64(), mint.next_u64());
+        // The run id used to be these two draws; they are still taken so that every later draw
+        // (router seeds, handoff ids) stays what it was. The run id now also depends on the
+        // trace and the configuration (identity.rs), so runs of seed 0 no longer share one.
+        let _ = (mint.next_u64(), mint.next_u64());
+        let run_id = identity::run_id(options.trace.as_ref(), &cfg);
+        let description = identity::describe(options.trace.as_ref(), &cfg);
+        let per_request = options.per_request;
         let mut slots = Vec::new();
         let mut workers: Vec<WorkerId> = Vec::new();
         if cfg.is_disaggregated() {
@@ -398,7 +439,7 @@ impl<'a> Replay<'a> {
             workers.extend((0..cfg.workers).map(WorkerId::aggregated));
         }
         let mut headers = Vec::new();
-        let mut metrics = MetricsFold::new();
+        let mut metrics = MetricsFold::new().with_slo(options.slo);
         if let Some(sink) = per_request {
             metrics = metrics.with_sink(sink);
         }
@@ -452,7 +493,10 @@ impl<'a> Replay<'a> {
             }
             _ => None,
         };
-        let router_header = header(run_id, WorkerId::ROUTER, &cfg, policy, EngineShape::none());
+        // The router has no engine: its header's free-text config says what was run (trace,
+        // shape, routers, config digest), which `compare` shows.
+        let router_shape = EngineShape { config_json: description.to_json(), ..EngineShape::none() };
+        let router_header = header(run_id, WorkerId::ROUTER, &cfg, policy, router_shape);
         metrics.add_stream(&router_header);
         headers.push(router_header);
         let out = RunWriter::create(out_dir, headers)?;
@@ -515,6 +559,8 @@ impl<'a> Replay<'a> {
             livelock: None,
             last_progress_ns: 0,
             progress_limit_ns: 0,
+            run_id,
+            description,
             cfg,
         };
         for s in 0..r.slots.len() {
@@ -686,6 +732,12 @@ impl<'a> Replay<'a> {
         let report = self.sink.finish()?;
         Ok(ReplayOutcome {
             report,
+            run_id: self.run_id,
+            backend: self.cfg.backend,
+            policy: self.policy,
+            seed: self.cfg.seed,
+            description: self.description.clone(),
+            trace_lines_read: self.workload.trace_lines_read(),
             drained,
             stuck,
             events: self.events,

@@ -5,6 +5,7 @@ pub mod config;
 pub mod contention;
 pub mod engine;
 pub mod faults;
+pub mod identity;
 pub mod queue;
 pub mod sink;
 pub mod trace;

@@ -233,6 +233,11 @@ impl<R: BufRead> TraceReader<R> {
         self.format
     }
 
+    /// Lines read so far, blank ones and a CSV header included (at the end: the file's lines).
+    pub fn lines_read(&self) -> usize {
+        self.line
+    }
+
     /// The path error messages name (so code that builds on the reader can name it too).
     pub fn path(&self) -> &Path {
         &self.path

@@ -342,6 +342,11 @@ impl Workload {
         self.stats
     }
 
+    /// Lines of the trace read so far (blank lines counted).
+    pub fn trace_lines_read(&self) -> u64 {
+        self.trace.lines_read() as u64
+    }
+
     // ----- internals -----
 
     fn check(&self) -> Result<(), TraceError> {
