@@ -1068,3 +1068,59 @@ fn project_exports_per_request_records_and_capacity_series() {
     assert_eq!(last_used.len(), 4);
     assert!(last_used.values().all(|v| *v == "0"), "{last_used:?}");
 }
+
+#[test]
+fn the_replay_explains_itself_when_nothing_completes_or_an_output_cannot_be_written() {
+    let t = tempfile::tempdir().unwrap();
+    // Every prompt needs more blocks than the worker has: exit 1 saying why, not a table of zeros.
+    let cfg = t.path().join("tiny.json");
+    std::fs::write(&cfg, r#"{"vllm":{"num_gpu_blocks":10}}"#).unwrap();
+    let o = cli()
+        .arg("replay")
+        .arg(fixture("traces/cascade.jsonl"))
+        .args(["--config", cfg.to_str().unwrap(), "--out"])
+        .arg(t.path().join("tiny"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no request completed (240 never-fits)"));
+    // An unwritable report path fails before the replay runs: no streams were written.
+    let out = t.path().join("never");
+    let o = cli()
+        .arg("replay")
+        .arg(fixture("traces/cascade.jsonl"))
+        .arg("--out")
+        .arg(&out)
+        .args(["--report-json", "/nonexistent-dir/r.json"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("/nonexistent-dir/r.json"));
+    assert!(!out.exists());
+    // No shape given: the report says it ran one aggregated worker.
+    let o = cli()
+        .arg("replay")
+        .arg(fixture("traces/cascade.jsonl"))
+        .arg("--out")
+        .arg(t.path().join("agg"))
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&o.stdout).contains("one aggregated worker"));
+    // Backend names in any case; trtllm is not offered.
+    let o = cli()
+        .arg("replay")
+        .arg(fixture("traces/cascade.jsonl"))
+        .args(["--backend", "SGLang", "--out"])
+        .arg(t.path().join("sg"))
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let o = cli()
+        .arg("replay")
+        .arg(fixture("traces/cascade.jsonl"))
+        .args(["--backend", "trtllm", "--out", "x"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not modeled"));
+}

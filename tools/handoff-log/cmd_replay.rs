@@ -91,12 +91,25 @@ pub struct ReplayArgs {
 }
 
 fn parse_backend(s: &str) -> Result<Backend, String> {
-    match s {
+    match s.to_ascii_lowercase().as_str() {
         "vllm" => Ok(Backend::Vllm),
         "sglang" => Ok(Backend::Sglang),
-        "trtllm" => Ok(Backend::TrtLlm),
-        o => Err(format!("unknown backend `{o}` (vllm, sglang, trtllm)")),
+        "trtllm" | "trt-llm" => Err(
+            "backend `trtllm` is not modeled (its destination reservation is deferred by the proposal); use vllm or sglang"
+                .to_string(),
+        ),
+        o => Err(format!("unknown backend `{o}` (vllm or sglang)")),
     }
+}
+
+/// A file the run will write at its end: its directory must exist and the file be creatable.
+fn check_writable(path: &std::path::Path) -> Result<(), CliError> {
+    let existed = path.exists();
+    let opened = std::fs::OpenOptions::new().append(true).create(true).open(path);
+    if !existed {
+        let _ = std::fs::remove_file(path);
+    }
+    opened.map(|_| ()).map_err(|e| CliError::new(2, format!("{}: {e}", path.display())))
 }
 
 fn parse_policy(s: &str) -> Result<HandoffPolicy, String> {
@@ -149,6 +162,12 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
     if let Some(n) = a.concurrency {
         cfg.load = handoff_ledger::adapters::replay::workload::LoadMode::Closed { concurrency: n };
     }
+    let shape_defaulted = a.prefill.is_none()
+        && a.decode.is_none()
+        && a.workers.is_none()
+        && !cfg.is_disaggregated()
+        && cfg.workers == ReplayConfig::default().workers
+        && a.config.is_none();
     cfg.validate()?;
     if a.print_config {
         let text = serde_json::to_string_pretty(&cfg)
@@ -180,6 +199,10 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
 
     // Per-request lines stream out as requests end (from the log writer's thread); the first
     // write error is kept and reported, and the file is flushed once the run is over.
+    // Output files are checked before the replay runs, not after it has spent its time.
+    if let Some(p) = &a.report_json {
+        check_writable(p)?;
+    }
     let per_request_out: Option<Arc<Mutex<PerRequestOut>>> = match &a.per_request {
         Some(p) => {
             let f = File::create(p).map_err(|e| CliError::new(2, format!("{}: {e}", p.display())))?;
@@ -267,6 +290,9 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         out.line(&serde_json::to_string_pretty(&json).unwrap_or_default())?;
     } else {
         out.line(&headline(&outcome))?;
+        if shape_defaulted {
+            out.line("(no --prefill/--decode or --workers given, and none in a config: one aggregated worker, no handoff)")?;
+        }
         out.line(&crate::report::table(&outcome.report))?;
         let w = &outcome.workload;
         if w.sessions_seen > 0 {
@@ -297,6 +323,16 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         ))?;
     }
     out.flush()?;
+    let report = &outcome.report;
+    if report.num_requests > 0 && report.completed_requests == 0 {
+        let reasons: Vec<String> = report.terminal_reasons.iter().map(|(k, v)| format!("{v} {k}")).collect();
+        eprintln!(
+            "handoff-log: no request completed ({}); see terminal_reason in --per-request or `handoff-log show {} --request 0`",
+            reasons.join(", "),
+            out_dir.display()
+        );
+        return Ok(1);
+    }
     if !outcome.drained {
         eprintln!("handoff-log: the run did not drain; {} things are stuck:", outcome.stuck.len());
         for s in outcome.stuck.iter().take(50) {
