@@ -409,3 +409,62 @@ fn json_summary_names_the_file_window_and_the_stall_inspect_finds() {
         assert!(w["bucket_ms"].as_f64().unwrap() > 0.0, "{w}");
     }
 }
+
+/// `--y-axis used` draws only the blocks in use, scaled to their peak; `percent` labels the pool
+/// in percent; `--from`/`--to` take the axis's units (`1.5s` is `1500`).
+#[test]
+fn y_axis_modes_and_window_units() {
+    let run = fixtures_dir().join("scripted-cascade");
+    let t = tempfile::tempdir().unwrap();
+    let draw = |name: &str, args: &[&str]| -> String {
+        let svg = t.path().join(name);
+        let o = Command::cargo_bin("handoff-log")
+            .unwrap()
+            .arg("timeline")
+            .arg(&run)
+            .arg("--svg")
+            .arg(&svg)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        std::fs::read_to_string(svg).unwrap()
+    };
+    let blocks = draw("blocks.svg", &[]);
+    let used = draw("used.svg", &["--y-axis", "used"]);
+    let percent = draw("percent.svg", &["--y-axis", "percent"]);
+    let doc = roxmltree::Document::parse(&used).unwrap();
+    let states = fold_states(&run);
+    for g in doc.descendants().filter(|n| n.attribute("class") == Some("capacity")) {
+        let w: WorkerId = g.attribute("data-worker").unwrap().parse().unwrap();
+        let top: u64 = g.attribute("data-blocks-top").unwrap().parse().unwrap();
+        let peak_used = states[&w].iter().map(|(_, c, _)| c[0] + c[1] + c[2]).max().unwrap();
+        let total = RunReader::open(&run)
+            .unwrap()
+            .headers()
+            .iter()
+            .find(|h| h.worker == w)
+            .unwrap()
+            .engine
+            .total_blocks as u64;
+        assert!(
+            top >= peak_used.max(1) && top <= total.max(peak_used.max(1) * 2),
+            "{w}: top {top}, peak used {peak_used}"
+        );
+        let series: Vec<&str> = g.descendants().filter_map(|n| n.attribute("data-series")).collect();
+        assert!(!series.contains(&"free") && !series.contains(&"cached_free"), "{w}: {series:?}");
+    }
+    assert!(used.contains("blocks in use") && percent.contains("% of blocks") && blocks.contains(">blocks<"));
+    assert_eq!(
+        draw("a.svg", &["--from", "1.5s", "--to", "4000ms"]),
+        draw("b.svg", &["--from", "1500", "--to", "4s"])
+    );
+    let o = Command::cargo_bin("handoff-log")
+        .unwrap()
+        .arg("timeline")
+        .arg(&run)
+        .args(["--svg", "x.svg", "--from", "soon"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+}

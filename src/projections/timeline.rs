@@ -34,11 +34,26 @@ pub struct TimelineOptions {
     /// Buckets per series once a series has more than `RAW_POINTS_PER_BUCKET ×` this many
     /// points (each bucket keeps a handful).
     pub max_buckets: usize,
+    /// How the capacity chart's y-axis reads (see [`YAxis`]).
+    pub y_axis: YAxis,
+}
+
+/// The capacity chart's y-axis.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
+pub enum YAxis {
+    /// Every block of the pool, stacked up to its total (cached-free and free included).
+    #[default]
+    Blocks,
+    /// Only blocks in use (active, pinned source, reserved destination), up to the window's
+    /// peak: on a large pool the cached-free and free area would flatten everything else.
+    Used,
+    /// The whole pool, as a percentage of its blocks.
+    Percent,
 }
 
 impl Default for TimelineOptions {
     fn default() -> Self {
-        TimelineOptions { worker: None, from_ns: None, to_ns: None, max_buckets: 300 }
+        TimelineOptions { worker: None, from_ns: None, to_ns: None, max_buckets: 300, y_axis: YAxis::Blocks }
     }
 }
 
@@ -220,6 +235,7 @@ pub struct TimelineData {
     /// Destination gating per decode worker: handoffs whose reservation waited ahead of
     /// prefill, and the peak FIFO depth.
     pub gating: Vec<(WorkerId, u64, u64)>,
+    pub y_axis: YAxis,
 }
 
 struct Live {
@@ -397,6 +413,7 @@ pub fn collect_with_progress(
             inspect_opts.pin_threshold_pct, inspect_opts.stall_ms
         ),
         gating,
+        y_axis: opts.y_axis,
     })
 }
 
@@ -613,7 +630,16 @@ pub fn render_svg(data: &TimelineData) -> String {
             esc(&note),
         );
         // --- capacity chart ---
-        let total = w.total_blocks.max(1) as f64;
+        // The value the chart's top stands for: the pool, or the peak of what is in use.
+        let used_peak = w.capacity.iter().map(|s| s.values[0] + s.values[1] + s.values[2]).max().unwrap_or(0);
+        let (layers, chart_top) = match data.y_axis {
+            YAxis::Used => {
+                let step = nice_step(used_peak.max(1) as f64, 4.0).max(1.0);
+                (3, ((used_peak.max(1) as f64 / step).ceil() * step).max(1.0) as u64)
+            }
+            YAxis::Blocks | YAxis::Percent => (5, w.total_blocks),
+        };
+        let total = chart_top.max(1) as f64;
         let ypx = |v: f64| cap_bottom - (v / total).min(1.0) * CAP_H;
         let _ = write!(
             svg,
@@ -625,7 +651,7 @@ pub fn render_svg(data: &TimelineData) -> String {
             sc.x1,
             cap_bottom,
             cap_top,
-            w.total_blocks,
+            chart_top,
             w.capacity_bucket_ns
         );
         let _ = write!(
@@ -639,7 +665,7 @@ pub fn render_svg(data: &TimelineData) -> String {
         if !w.capacity.is_empty() {
             let xs: Vec<f64> = w.capacity.iter().map(|s| sc.x(s.at_ns)).collect();
             let mut below = vec![0.0f64; w.capacity.len()];
-            for k in 0..5 {
+            for k in 0..layers {
                 let above: Vec<f64> =
                     w.capacity.iter().zip(&below).map(|(s, b)| b + s.values[k] as f64).collect();
                 let tops: Vec<f64> = above.iter().map(|v| ypx(*v)).collect();
@@ -711,7 +737,15 @@ pub fn render_svg(data: &TimelineData) -> String {
         }
         svg.push_str("</g>");
         // Axes of the capacity chart.
-        axis_y(&mut svg, cap_top, cap_bottom, w.total_blocks as f64, "blocks", sc.x0, sc.x1);
+        match data.y_axis {
+            YAxis::Blocks => {
+                axis_y(&mut svg, cap_top, cap_bottom, w.total_blocks as f64, "blocks", sc.x0, sc.x1)
+            }
+            YAxis::Used => {
+                axis_y(&mut svg, cap_top, cap_bottom, chart_top as f64, "blocks in use", sc.x0, sc.x1)
+            }
+            YAxis::Percent => axis_y(&mut svg, cap_top, cap_bottom, 100.0, "% of blocks", sc.x0, sc.x1),
+        }
         axis_x(&mut svg, &sc, cap_bottom, data, t_step, div, false, unit);
         // --- queue chart ---
         let q_max = w.queues.iter().flat_map(|s| s.values.iter().copied()).max().unwrap_or(0).max(1) as f64;

@@ -2,7 +2,8 @@
 
 use crate::CliError;
 use handoff_ledger::ids::WorkerId;
-use handoff_ledger::projections::timeline::{collect_with_progress, render_svg, TimelineOptions};
+use handoff_ledger::projections::at::parse_time;
+use handoff_ledger::projections::timeline::{collect_with_progress, render_svg, TimelineOptions, YAxis};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -17,12 +18,17 @@ pub struct TimelineArgs {
     /// Only this worker (`prefill-0`, `decode-1`, ...).
     #[arg(long)]
     pub worker: Option<String>,
-    /// Window start, ms on the run's clock.
+    /// Window start on the run's clock: ms (`1500`), or with the unit the axis shows (`12.5s`,
+    /// `800ms`).
     #[arg(long)]
-    pub from: Option<f64>,
-    /// Window end, ms on the run's clock.
+    pub from: Option<String>,
+    /// Window end, as `--from`.
     #[arg(long)]
-    pub to: Option<f64>,
+    pub to: Option<String>,
+    /// The capacity chart's y-axis: every block of the pool, only blocks in use (up to their
+    /// peak: for large pools, where cached-free and free would hide the rest), or percent.
+    #[arg(long, value_enum, default_value_t = YAxis::Blocks)]
+    pub y_axis: YAxis,
     /// Print what was drawn as JSON on stdout (file, window, points per series, stalls).
     #[arg(long)]
     pub json: bool,
@@ -32,14 +38,8 @@ pub struct TimelineArgs {
     pub buckets: u32,
 }
 
-fn ms_to_ns(flag: &str, v: Option<f64>) -> Result<Option<u64>, CliError> {
-    match v {
-        None => Ok(None),
-        Some(ms) if ms.is_finite() && ms >= 0.0 && ms * 1e6 < u64::MAX as f64 => {
-            Ok(Some((ms * 1e6).round() as u64))
-        }
-        Some(ms) => Err(CliError::new(2, format!("{flag} {ms}: expected a time in ms, 0 or more"))),
-    }
+fn ms_to_ns(flag: &str, v: Option<&str>) -> Result<Option<u64>, CliError> {
+    v.map(|text| parse_time(text).map_err(|e| CliError::new(2, format!("{flag}: {e}")))).transpose()
 }
 
 pub fn run(args: &TimelineArgs) -> Result<u8, CliError> {
@@ -48,14 +48,15 @@ pub fn run(args: &TimelineArgs) -> Result<u8, CliError> {
         .as_deref()
         .map(|w| w.parse().map_err(|e: String| CliError::new(2, format!("--worker: {e}"))))
         .transpose()?;
-    let from_ns = ms_to_ns("--from", args.from)?;
-    let to_ns = ms_to_ns("--to", args.to)?;
+    let from_ns = ms_to_ns("--from", args.from.as_deref())?;
+    let to_ns = ms_to_ns("--to", args.to.as_deref())?;
     if let (Some(f), Some(t)) = (from_ns, to_ns) {
         if t <= f {
             return Err(CliError::new(2, "--to must be later than --from"));
         }
     }
-    let opts = TimelineOptions { worker, from_ns, to_ns, max_buckets: args.buckets as usize };
+    let opts =
+        TimelineOptions { worker, from_ns, to_ns, max_buckets: args.buckets as usize, y_axis: args.y_axis };
     let bar = std::io::stderr().is_terminal().then(|| {
         let b = ProgressBar::new_spinner();
         b.set_style(
