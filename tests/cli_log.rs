@@ -342,3 +342,26 @@ fn recover_truncates_only_the_torn_tail() {
         .success()
         .stdout(predicate::str::contains("nothing written"));
 }
+
+#[test]
+fn completions_are_printed_for_each_shell() {
+    for shell in ["bash", "zsh", "fish"] {
+        let o = assert_cmd::Command::cargo_bin("handoff-log")
+            .unwrap()
+            .args(["completions", shell])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{shell}");
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            text.contains("handoff-log") && text.contains("replay") && text.contains("inspect"),
+            "{shell}"
+        );
+    }
+    let o = assert_cmd::Command::cargo_bin("handoff-log")
+        .unwrap()
+        .args(["completions", "tcsh"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+}

@@ -22,10 +22,11 @@ use std::time::Instant;
 pub struct ReplayArgs {
     /// The trace: Mooncake JSONL or Azure 2023 CSV.
     pub trace: PathBuf,
-    /// Engine model: vllm (source-first) or sglang (destination-first).
+    /// Engine model: vllm (source-first) or sglang (destination-first). Default: vllm.
     #[arg(long, value_parser = parse_backend)]
     pub backend: Option<Backend>,
-    /// Override the backend's native policy: source-first or destination-first.
+    /// Override the backend's native policy: source-first, destination-first, or disabled (the
+    /// behaviour before the lifecycle: nothing pinned or reserved). Default: the backend's.
     #[arg(long, value_parser = parse_policy)]
     pub policy: Option<HandoffPolicy>,
     /// Prefill workers (disaggregated serving).
@@ -34,10 +35,11 @@ pub struct ReplayArgs {
     /// Decode workers (disaggregated serving).
     #[arg(long)]
     pub decode: Option<u32>,
-    /// Aggregated workers (no handoff).
+    /// Aggregated workers (no handoff). Default, when no shape is given: 1.
     #[arg(long, conflicts_with_all = ["prefill", "decode"])]
     pub workers: Option<u32>,
     /// Routing mode for both stages: round-robin, random, kv, least-loaded, p2c, device-aware.
+    /// Default: round-robin.
     #[arg(long)]
     pub router: Option<RouterMode>,
     /// Routing mode for the prefill stage only.
@@ -46,10 +48,10 @@ pub struct ReplayArgs {
     /// Routing mode for the decode stage only.
     #[arg(long)]
     pub decode_router: Option<RouterMode>,
-    /// The run's one seed.
+    /// The run's one seed. Default: 0.
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Arrival speedup ratio (divides trace timestamps and session delays).
+    /// Arrival speedup ratio (divides trace timestamps and session delays). Default: 1.
     #[arg(long)]
     pub speedup: Option<f64>,
     /// Closed loop: keep N sessions in flight (a request without `session_id` is a one-turn

@@ -85,6 +85,12 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Print a shell completion script (bash, zsh, fish, elvish or powershell) on stdout, e.g.
+    /// `handoff-log completions bash > /etc/bash_completion.d/handoff-log`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// Compare two runs' projections (parity): exit 0 equivalent, 1 different, 2 unusable.
     ///
     /// Compared: per-worker capacity sequences, router booking sequences, per-handoff
@@ -221,6 +227,11 @@ fn main() -> ExitCode {
         Command::Compare(args) => cmd_compare::run(&args),
         Command::At { log, time, json } => cmd_at::run(&log, &time, json),
         Command::Index { log, json } => cmd_index::run(&log, json),
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(shell, &mut Cli::command(), "handoff-log", &mut std::io::stdout());
+            Ok(0)
+        }
     };
     match result {
         Ok(code) => ExitCode::from(code),
