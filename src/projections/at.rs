@@ -233,6 +233,29 @@ impl From<&KvCapacitySnapshot> for CapacityView {
     }
 }
 
+impl CapacityView {
+    /// The block and slot figures and the queues, in one fixed order (for tables and CSV rows:
+    /// `at` and `project series` print the same columns).
+    pub fn with_queues(&self, q: &crate::schedulers::SchedulerView) -> [u64; 14] {
+        [
+            self.active_blocks,
+            self.pinned_source_blocks,
+            self.reserved_destination_blocks,
+            self.kv_used_blocks,
+            self.cached_free_blocks,
+            self.free_blocks,
+            self.total_blocks,
+            self.request_slots_used,
+            self.decode_headroom_tokens,
+            q.waiting,
+            q.running,
+            q.waiting_for_remote_kv,
+            q.held_prefills,
+            q.pending_reservations,
+        ]
+    }
+}
+
 /// One worker at the instant.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct WorkerAt {

@@ -73,25 +73,8 @@ fn table(r: &AtReport) -> String {
         let mut row = vec![w.worker.to_string()];
         match (&w.capacity, &w.queues, &w.bookings) {
             (Some(c), Some(q), Some(b)) => {
-                for v in [
-                    c.active_blocks,
-                    c.pinned_source_blocks,
-                    c.reserved_destination_blocks,
-                    c.kv_used_blocks,
-                    c.cached_free_blocks,
-                    c.free_blocks,
-                    c.total_blocks,
-                    c.request_slots_used,
-                    c.decode_headroom_tokens,
-                    q.waiting,
-                    q.running,
-                    q.waiting_for_remote_kv,
-                    q.held_prefills,
-                    q.pending_reservations,
-                    b.active_prefill_tokens,
-                    b.booked_prefill_blocks,
-                    b.booked_decode_blocks,
-                ] {
+                let bookings = [b.active_prefill_tokens, b.booked_prefill_blocks, b.booked_decode_blocks];
+                for v in c.with_queues(q).into_iter().chain(bookings) {
                     row.push(v.to_string());
                 }
             }

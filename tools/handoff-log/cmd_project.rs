@@ -123,25 +123,8 @@ fn series(run: &mut RunReader, out: &mut Out, csv: bool) -> Result<(), CliError>
             }
             let (c, q) = now;
             if csv {
-                out.line(&format!(
-                    "{:.3},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
-                    at_ns as f64 / 1e6,
-                    f.worker,
-                    c.active_blocks,
-                    c.pinned_source_blocks,
-                    c.reserved_destination_blocks,
-                    c.kv_used_blocks,
-                    c.cached_free_blocks,
-                    c.free_blocks,
-                    c.total_blocks,
-                    c.request_slots_used,
-                    c.decode_headroom_tokens,
-                    q.waiting,
-                    q.running,
-                    q.waiting_for_remote_kv,
-                    q.held_prefills,
-                    q.pending_reservations
-                ))?;
+                let cells: Vec<String> = c.with_queues(&q).iter().map(u64::to_string).collect();
+                out.line(&format!("{:.3},{},{}", at_ns as f64 / 1e6, f.worker, cells.join(",")))?;
             } else {
                 out.line(&json!({"at_ms": at_ns as f64 / 1e6, "worker": f.worker.to_string(), "capacity": c, "queues": q}).to_string())?;
             }
