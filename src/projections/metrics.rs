@@ -15,7 +15,10 @@
 //! * prefix reuse: `cached_tokens` of each request's first scheduling on a prefill or
 //!   aggregated stream;
 //! * stranding: pinned-block integral per prefill worker, pin durations, and the waits from
-//!   prefill done to destination reserved and from reservation queued to reserved.
+//!   prefill done to destination reserved and from reservation queued to reserved;
+//! * worker-seconds: per role, each worker stream's span from its first `SessionStarted` (its
+//!   join) to its `WorkerLeft` (or the end), within the run's duration (first arrival to last
+//!   terminal outcome).
 //!
 //! Memory grows with requests in flight: finished requests leave the fold (optionally through a
 //! per-request sink) and distributions have bounded buckets.
@@ -109,6 +112,9 @@ struct StreamState {
     /// stamped with the step's *end* (as every step fact is), so it is moved back by the step's
     /// duration when the step's `StepExecuted` comes (a scheduling with no step stays as is).
     admitted_at: (u64, Vec<RequestId>),
+    /// The worker's join (its first `SessionStarted`) and leave (`WorkerLeft`).
+    joined_ns: Option<u64>,
+    left_ns: Option<u64>,
 }
 
 /// Receives each request's figures as it ends (`--per-request` writes them as JSON lines).
@@ -193,6 +199,18 @@ pub struct MetricsReport {
     pub stall_ms: Stats,
     /// Ended requests by `terminal_reason`.
     pub terminal_reasons: BTreeMap<String, u64>,
+    /// Per role, the integral of the workers present over the run's duration: a worker counts
+    /// from its join (first `SessionStarted`) to its leave (`WorkerLeft`) or the end.
+    pub worker_seconds_prefill: f64,
+    pub worker_seconds_decode: f64,
+    pub worker_seconds_aggregated: f64,
+}
+
+impl MetricsReport {
+    /// Worker-seconds over every role.
+    pub fn worker_seconds(&self) -> f64 {
+        self.worker_seconds_prefill + self.worker_seconds_decode + self.worker_seconds_aggregated
+    }
 }
 
 impl MetricsReport {
@@ -226,6 +244,9 @@ impl MetricsReport {
         put("num_itl_samples", self.itl_ms.count.into());
         put("num_stalls", self.stall_ms.count.into());
         put("terminal_reasons", serde_json::to_value(&self.terminal_reasons).unwrap_or(Value::Null));
+        put("worker_seconds_prefill", self.worker_seconds_prefill.into());
+        put("worker_seconds_decode", self.worker_seconds_decode.into());
+        put("worker_seconds_aggregated", self.worker_seconds_aggregated.into());
         for (name, unit, s) in [
             ("ttft", "_ms", &self.ttft_ms),
             ("tpot", "_ms", &self.tpot_ms),
@@ -347,6 +368,13 @@ impl MetricsFold {
                 if let Some(r) = self.in_flight.get_mut(request) {
                     r.prefill_worker = Some(w.index);
                 }
+            }
+            Fact::SessionStarted { .. } => {
+                // A restart starts a new session on a worker that never left.
+                self.streams[si].1.joined_ns.get_or_insert(at);
+            }
+            Fact::WorkerLeft { .. } => {
+                self.streams[si].1.left_ns = Some(at);
             }
             Fact::DecodeBooked { request, worker: w, .. } => {
                 if let Some(r) = self.in_flight.get_mut(request) {
@@ -664,6 +692,22 @@ impl MetricsFold {
         let secs = duration_ns as f64 / 1e9;
         let per_s = |v: u64| if secs > 0.0 { v as f64 / secs } else { 0.0 };
         let completed = *self.by_status.get("completed").unwrap_or(&0);
+        let start = self.first_arrival_ns.unwrap_or(0);
+        let mut worker_ns = [0u128; 3];
+        for (w, st) in &self.streams {
+            let role = st.role.unwrap_or(w.role);
+            let i = match role {
+                Role::Prefill => 0,
+                Role::Decode => 1,
+                Role::Aggregated => 2,
+                Role::Router => continue,
+            };
+            // A stream that never said when it joined was there from the start.
+            let from = st.joined_ns.unwrap_or(0).max(start);
+            let to = st.left_ns.unwrap_or(end).min(end);
+            worker_ns[i] += u128::from(to.saturating_sub(from));
+        }
+        let worker_seconds = |i: usize| worker_ns[i] as f64 / 1e9;
         let mut pinned_block_seconds = BTreeMap::new();
         for (w, st) in &self.streams {
             if st.role == Some(Role::Prefill) || w.role == Role::Prefill {
@@ -704,6 +748,9 @@ impl MetricsFold {
             reservation_wait_ms: self.reservation_wait.stats(NS_PER_MS),
             stall_ms: self.stall.stats(NS_PER_MS),
             terminal_reasons: self.reasons.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            worker_seconds_prefill: worker_seconds(0),
+            worker_seconds_decode: worker_seconds(1),
+            worker_seconds_aggregated: worker_seconds(2),
         }
     }
 }
