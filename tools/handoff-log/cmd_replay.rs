@@ -188,6 +188,7 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
             b.tick();
         }
     };
+    let gpus_per_worker = cfg.gpus_per_worker;
     let started = Instant::now();
     let replay = Replay::new(cfg, trace, &a.out, per_request)?.with_progress(&mut progress);
     let outcome = replay.run()?;
@@ -225,6 +226,12 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         if !outcome.faults.is_empty() {
             m.insert("faults".into(), serde_json::to_value(&outcome.faults).unwrap_or_default());
         }
+        // The logs carry worker-seconds; GPUs per worker only the configuration knows.
+        m.insert("gpus_per_worker".into(), gpus_per_worker.into());
+        m.insert("gpu_hours".into(), crate::report::gpu_hours(&outcome.report, gpus_per_worker).into());
+        if !outcome.scaling.is_empty() {
+            m.insert("scaling".into(), serde_json::to_value(&outcome.scaling).unwrap_or_default());
+        }
     }
     if let Some(p) = &a.report_json {
         let text = serde_json::to_string_pretty(&json).unwrap_or_default();
@@ -234,12 +241,30 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
     if a.json {
         out.line(&serde_json::to_string_pretty(&json).unwrap_or_default())?;
     } else {
-        out.line(&crate::report::table(&outcome.report))?;
+        out.line(&crate::report::table(&outcome.report, Some(gpus_per_worker)))?;
         let w = &outcome.workload;
         if w.sessions_seen > 0 {
             out.line(&format!(
                 "sessions: {} ({} cut short by a failed or canceled turn; {} later turns dropped)",
                 w.sessions_seen, w.sessions_cut_short, w.turns_dropped
+            ))?;
+        }
+        for d in &outcome.scaling {
+            let workers: Vec<String> = d
+                .workers
+                .iter()
+                .map(|w| match w.left_at_ms {
+                    Some(t) => format!("{} (left at {:.3} ms)", w.worker, t),
+                    None => w.worker.clone(),
+                })
+                .collect();
+            out.line(&format!(
+                "scaling at {:.3} ms: {} {:+} [{}]: {}",
+                d.at_ms,
+                d.role,
+                d.change,
+                workers.join(", "),
+                d.reason
             ))?;
         }
         for f in &outcome.faults {
