@@ -289,6 +289,10 @@ pub enum Fact {
     /// just before `ReceiveCompleted`): waiting for a transfer slot on both NICs, the fixed
     /// latency, and moving bytes at its share of the bandwidth.
     TransferTiming { handoff: HandoffId, queued_ns: u64, latency_ns: u64, moving_ns: u64 },
+    /// The worker left the cluster for good (the last record of its stream): it was taken out
+    /// of routing by a planned or planner-decided scale-down, finished everything it held, and
+    /// `generation` was its last incarnation. Worker-seconds count its stream up to here.
+    WorkerLeft { generation: Generation },
 }
 
 impl Fact {
@@ -409,6 +413,7 @@ impl Fact {
             DecodeBookingFreed { .. } => "DecodeBookingFreed",
             DecodeResumed { .. } => "DecodeResumed",
             TransferTiming { .. } => "TransferTiming",
+            WorkerLeft { .. } => "WorkerLeft",
         }
     }
 }

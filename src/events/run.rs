@@ -622,7 +622,9 @@ fn write_merged_to(run_path: &Path, tmp_path: &Path, out_path: &Path) -> Result<
 }
 
 /// Writes a run directory: one [`StreamWriter`] per worker, each created on first use from the
-/// header it was given (for replay, which knows every worker up front).
+/// header it was given. Replay declares its starting workers up front and a worker that joins
+/// mid-run when it joins ([`RunWriter::declare`]); its file then starts with records stamped
+/// from the join on, which every reader merges like any other stream.
 pub struct RunWriter {
     dir: PathBuf,
     headers: BTreeMap<WorkerId, StreamHeader>,

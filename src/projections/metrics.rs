@@ -18,6 +18,9 @@
 //!   prefill done to destination reserved and from reservation queued to reserved;
 //! * goodput (with an [`Slo`]): completed requests that met every given threshold, checked as
 //!   each request ends, so a replay and a later fold of its logs agree.
+//! * worker-seconds: per role, each worker stream's span from its first `SessionStarted` (its
+//!   join) to its `WorkerLeft` (or the end), within the run's duration (first arrival to last
+//!   terminal outcome).
 //!
 //! Memory grows with requests in flight: finished requests leave the fold (optionally through a
 //! per-request sink) and distributions have bounded buckets.
@@ -213,6 +216,9 @@ struct StreamState {
     /// stamped with the step's *end* (as every step fact is), so it is moved back by the step's
     /// duration when the step's `StepExecuted` comes (a scheduling with no step stays as is).
     admitted_at: (u64, Vec<RequestId>),
+    /// The worker's join (its first `SessionStarted`) and leave (`WorkerLeft`).
+    joined_ns: Option<u64>,
+    left_ns: Option<u64>,
 }
 
 /// Receives each request's figures as it ends (`--per-request` writes them as JSON lines).
@@ -307,6 +313,18 @@ pub struct MetricsReport {
     /// The share of all requests (`num_requests`, whatever their outcome) that completed and
     /// met every objective.
     pub goodput_fraction: Option<f64>,
+    /// Per role, the integral of the workers present over the run's duration: a worker counts
+    /// from its join (first `SessionStarted`) to its leave (`WorkerLeft`) or the end.
+    pub worker_seconds_prefill: f64,
+    pub worker_seconds_decode: f64,
+    pub worker_seconds_aggregated: f64,
+}
+
+impl MetricsReport {
+    /// Worker-seconds over every role.
+    pub fn worker_seconds(&self) -> f64 {
+        self.worker_seconds_prefill + self.worker_seconds_decode + self.worker_seconds_aggregated
+    }
 }
 
 impl MetricsReport {
@@ -343,6 +361,9 @@ impl MetricsReport {
         put("slo", self.slo.and_then(|s| serde_json::to_value(s).ok()).unwrap_or(Value::Null));
         put("goodput_rps", self.goodput_rps.into());
         put("goodput_fraction", self.goodput_fraction.into());
+        put("worker_seconds_prefill", self.worker_seconds_prefill.into());
+        put("worker_seconds_decode", self.worker_seconds_decode.into());
+        put("worker_seconds_aggregated", self.worker_seconds_aggregated.into());
         for (name, unit, s) in [
             ("ttft", "_ms", &self.ttft_ms),
             ("tpot", "_ms", &self.tpot_ms),
@@ -480,6 +501,13 @@ impl MetricsFold {
                 if let Some(r) = self.in_flight.get_mut(request) {
                     r.prefill_worker = Some(w.index);
                 }
+            }
+            Fact::SessionStarted { .. } => {
+                // A restart starts a new session on a worker that never left.
+                self.streams[si].1.joined_ns.get_or_insert(at);
+            }
+            Fact::WorkerLeft { .. } => {
+                self.streams[si].1.left_ns = Some(at);
             }
             Fact::DecodeBooked { request, worker: w, .. } => {
                 if let Some(r) = self.in_flight.get_mut(request) {
@@ -803,6 +831,22 @@ impl MetricsFold {
         let secs = duration_ns as f64 / 1e9;
         let per_s = |v: u64| if secs > 0.0 { v as f64 / secs } else { 0.0 };
         let completed = *self.by_status.get("completed").unwrap_or(&0);
+        let start = self.first_arrival_ns.unwrap_or(0);
+        let mut worker_ns = [0u128; 3];
+        for (w, st) in &self.streams {
+            let role = st.role.unwrap_or(w.role);
+            let i = match role {
+                Role::Prefill => 0,
+                Role::Decode => 1,
+                Role::Aggregated => 2,
+                Role::Router => continue,
+            };
+            // A stream that never said when it joined was there from the start.
+            let from = st.joined_ns.unwrap_or(0).max(start);
+            let to = st.left_ns.unwrap_or(end).min(end);
+            worker_ns[i] += u128::from(to.saturating_sub(from));
+        }
+        let worker_seconds = |i: usize| worker_ns[i] as f64 / 1e9;
         let mut pinned_block_seconds = BTreeMap::new();
         for (w, st) in &self.streams {
             if st.role == Some(Role::Prefill) || w.role == Role::Prefill {
@@ -852,6 +896,9 @@ impl MetricsFold {
                     0.0
                 }
             }),
+            worker_seconds_prefill: worker_seconds(0),
+            worker_seconds_decode: worker_seconds(1),
+            worker_seconds_aggregated: worker_seconds(2),
         }
     }
 }

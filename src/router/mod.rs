@@ -1,6 +1,7 @@
 //! Routers: KV index from Stored/Removed facts, selection modes, bookings.
 //!
-//! A [`Router`] serves one stage (prefill or decode) over a fixed list of workers. It is sans-IO
+//! A [`Router`] serves one stage (prefill or decode) over a list of workers that changes only
+//! when the adapter scales the stage ([`Router::add_worker`], [`Router::remove_worker`]). It is sans-IO
 //! and clock-free: the adapter feeds it the workers' KV facts ([`Router::observe`]), asks it to
 //! [`Router::select`], and tells it about bookings; each booking transition returns the
 //! [`Fact`] the adapter appends to the router's stream (stamped with the adapter's time). All
@@ -109,8 +110,39 @@ impl Router {
         })
     }
 
+    /// The workers selection chooses from, sorted.
     pub fn workers(&self) -> &[WorkerId] {
         &self.workers
+    }
+
+    /// A worker joined the stage: selection may choose it from now on. Its KV index starts
+    /// empty and fills from its own facts, as any worker's does.
+    pub fn add_worker(&mut self, worker: WorkerId) -> Result<(), RouterError> {
+        let i = match self.workers.binary_search(&worker) {
+            Ok(_) => return Err(RouterError::DuplicateWorker(worker)),
+            Err(i) => i,
+        };
+        // Per-worker parameters (device-aware weights) must still match the list.
+        self.mode.validate(self.workers.len() + 1).map_err(RouterError::BadMode)?;
+        self.workers.insert(i, worker);
+        Ok(())
+    }
+
+    /// A worker is leaving the stage: selection never chooses it again, while the bookings it
+    /// holds stay until they are freed as usual (so its load is still told apart, and freeing
+    /// them needs no special case). What it published to the KV index is forgotten at once: it
+    /// can no longer attract a request, and its later KV facts are ignored.
+    pub fn remove_worker(&mut self, worker: WorkerId) -> Result<(), RouterError> {
+        let Ok(i) = self.workers.binary_search(&worker) else {
+            return Err(RouterError::BadMode(format!("{worker} is not one of this router's workers")));
+        };
+        if self.workers.len() == 1 {
+            return Err(RouterError::NoWorkers);
+        }
+        self.mode.validate(self.workers.len() - 1).map_err(RouterError::BadMode)?;
+        self.workers.remove(i);
+        self.index.apply(worker, &Fact::KvCleared);
+        Ok(())
     }
 
     pub fn mode(&self) -> &RouterMode {

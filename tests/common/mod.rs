@@ -14,7 +14,7 @@ use uuid::Uuid;
 
 /// The number of `Fact` variants; [`ordinal`] is an exhaustive match, so adding a variant
 /// breaks the build here until the strategy, the golden list and this count are updated.
-pub const FACT_VARIANTS: usize = 41;
+pub const FACT_VARIANTS: usize = 42;
 
 /// The variant's position in the enum (= its bincode variant index).
 pub fn ordinal(f: &Fact) -> usize {
@@ -61,6 +61,7 @@ pub fn ordinal(f: &Fact) -> usize {
         DecodeBookingFreed { .. } => 38,
         DecodeResumed { .. } => 39,
         TransferTiming { .. } => 40,
+        WorkerLeft { .. } => 41,
     }
 }
 
@@ -281,6 +282,7 @@ pub fn fact() -> impl Strategy<Value = Fact> {
             latency_ns: t[1],
             moving_ns: t[2]
         }),
+        generation().prop_map(|generation| WorkerLeft { generation }),
     ]
 }
 
@@ -379,6 +381,7 @@ pub fn golden_appended_facts() -> Vec<(u64, Fact)> {
         (410, HandoffCanceled { handoff: h(7), reason: CancelReason::BootstrapTimeout }),
         (420, HandoffCanceled { handoff: h(8), reason: CancelReason::Expired }),
         (430, TransferTiming { handoff: h(3), queued_ns: 1_000, latency_ns: 5_000, moving_ns: u64::MAX - 3 }),
+        (440, WorkerLeft { generation: Generation(2) }),
     ]
 }
 

@@ -321,7 +321,7 @@ pub fn run(log: &Path, what: Projection, json_out: bool, csv: bool) -> Result<u8
             if json_out {
                 out.line(&serde_json::to_string_pretty(&report.to_json()).unwrap_or_default())?;
             } else {
-                out.line(&crate::report::table(&report))?;
+                out.line(&crate::report::table(&report, None))?;
             }
         }
     }

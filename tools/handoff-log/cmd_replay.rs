@@ -241,6 +241,7 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
             b.tick();
         }
     };
+    let gpus_per_worker = cfg.gpus_per_worker;
     let started = Instant::now();
     let options = ReplayOptions { trace: Some(trace_identity), slo: a.slo.unwrap_or_default(), per_request };
     let replay = Replay::with_options(cfg, trace, &out_dir, options)?.with_progress(&mut progress);
@@ -282,6 +283,12 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         for (k, v) in what_was_run(&outcome) {
             m.insert(k.into(), v);
         }
+        // The logs carry worker-seconds; GPUs per worker only the configuration knows.
+        m.insert("gpus_per_worker".into(), gpus_per_worker.into());
+        m.insert("gpu_hours".into(), crate::report::gpu_hours(&outcome.report, gpus_per_worker).into());
+        if !outcome.scaling.is_empty() {
+            m.insert("scaling".into(), serde_json::to_value(&outcome.scaling).unwrap_or_default());
+        }
     }
     if let Some(p) = &a.report_json {
         let text = serde_json::to_string_pretty(&json).unwrap_or_default();
@@ -295,12 +302,30 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         if shape_defaulted {
             out.line("(no --prefill/--decode or --workers given, and none in a config: one aggregated worker, no handoff)")?;
         }
-        out.line(&crate::report::table(&outcome.report))?;
+        out.line(&crate::report::table(&outcome.report, Some(gpus_per_worker)))?;
         let w = &outcome.workload;
         if w.sessions_seen > 0 {
             out.line(&format!(
                 "sessions: {} ({} cut short by a failed or canceled turn; {} later turns dropped)",
                 w.sessions_seen, w.sessions_cut_short, w.turns_dropped
+            ))?;
+        }
+        for d in &outcome.scaling {
+            let workers: Vec<String> = d
+                .workers
+                .iter()
+                .map(|w| match w.left_at_ms {
+                    Some(t) => format!("{} (left at {:.3} ms)", w.worker, t),
+                    None => w.worker.clone(),
+                })
+                .collect();
+            out.line(&format!(
+                "scaling at {:.3} ms: {} {:+} [{}]: {}",
+                d.at_ms,
+                d.role,
+                d.change,
+                workers.join(", "),
+                d.reason
             ))?;
         }
         for f in &outcome.faults {

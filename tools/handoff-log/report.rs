@@ -12,7 +12,14 @@ fn f(v: f64) -> String {
     }
 }
 
-pub fn table(r: &MetricsReport) -> String {
+/// GPU-hours of `r`'s worker-seconds at `gpus_per_worker` GPUs each.
+pub fn gpu_hours(r: &MetricsReport, gpus_per_worker: u32) -> f64 {
+    r.worker_seconds() * f64::from(gpus_per_worker) / 3600.0
+}
+
+/// The report as tables; with `gpus_per_worker` (known to the replay, not to the logs), the
+/// run's GPU-hours too.
+pub fn table(r: &MetricsReport, gpus_per_worker: Option<u32>) -> String {
     let mut totals = Table::new();
     totals.load_preset(UTF8_FULL_CONDENSED);
     totals.set_header(vec!["figure", "value"]);
@@ -46,6 +53,18 @@ pub fn table(r: &MetricsReport) -> String {
             format!("{} / {} / {}", r.leases_expired, r.reservations_expired, r.handoffs_canceled),
         ),
     ];
+    let mut rows = rows;
+    if r.worker_seconds_aggregated > 0.0 {
+        rows.push(("worker-seconds (aggregated)", f(r.worker_seconds_aggregated)));
+    } else {
+        rows.push((
+            "worker-seconds (prefill / decode)",
+            format!("{} / {}", f(r.worker_seconds_prefill), f(r.worker_seconds_decode)),
+        ));
+    }
+    if let Some(gpus) = gpus_per_worker {
+        rows.push(("GPU-hours", format!("{} ({gpus} per worker)", f(gpu_hours(r, gpus)))));
+    }
     for (k, v) in rows {
         totals.add_row(vec![k.to_string(), v]);
     }

@@ -4,6 +4,7 @@
 
 use crate::adapters::replay::contention::ContentionConfig;
 use crate::adapters::replay::faults::FaultSpec;
+use crate::adapters::replay::scaling::{PlannerConfig, ScaleEntry};
 use crate::adapters::replay::transfer::TransferConfig;
 use crate::adapters::replay::workload::LoadMode;
 use crate::ids::{Backend, HandoffPolicy};
@@ -71,6 +72,13 @@ pub struct ReplayConfig {
     /// `engine::QuietRun`). Logs and report are the same either way; off, the full Mooncake
     /// replay takes about 1.3x as long. A parity switch for tests, and a way to rule it out.
     pub coalesce_quiet_steps: bool,
+    /// Planned changes of the cluster's shape, in non-decreasing `at_ms` order:
+    /// `[{"at_ms": 60000, "decode": 2}, {"at_ms": 90000, "prefill": -1}]` (see `scaling`).
+    pub scale: Vec<ScaleEntry>,
+    /// The SLO planner (off when absent; see `scaling`).
+    pub planner: Option<PlannerConfig>,
+    /// GPUs each worker occupies, for the report's GPU-hours.
+    pub gpus_per_worker: u32,
 }
 
 impl Default for ReplayConfig {
@@ -102,6 +110,9 @@ impl Default for ReplayConfig {
             max_in_flight: 1_000_000,
             faults: Vec::new(),
             coalesce_quiet_steps: true,
+            scale: Vec::new(),
+            planner: None,
+            gpus_per_worker: 1,
         }
     }
 }
@@ -175,12 +186,31 @@ impl ReplayConfig {
         self.prefill_workers > 0 || self.decode_workers > 0
     }
 
+    /// Upper bounds of the prefill and decode workers a run creates: the starting ones, every
+    /// one the plan adds, and the planner's maximum on top (a worker that left keeps its pool
+    /// until the run ends).
+    fn most_workers(&self) -> (u32, u32) {
+        let added = |f: fn(&ScaleEntry) -> i32| -> u32 {
+            self.scale.iter().map(|e| f(e).max(0) as u32).fold(0u32, u32::saturating_add)
+        };
+        let (mut prefill, mut decode) = (
+            self.prefill_workers.saturating_add(added(|e| e.prefill)),
+            self.decode_workers.saturating_add(added(|e| e.decode)),
+        );
+        if let Some(p) = &self.planner {
+            prefill = prefill.saturating_add(p.max_prefill);
+            decode = decode.saturating_add(p.max_decode);
+        }
+        (prefill, decode)
+    }
+
     /// The KV pools of every worker together must fit the machine: at most
     /// `MAX_CLUSTER_BLOCKS` blocks (vLLM) or pages (SGLang) over the whole cluster.
     fn validate_cluster_memory(&self) -> Result<(), ConfigError> {
         use crate::ids::Role;
         let roles: Vec<(Role, u32)> = if self.is_disaggregated() {
-            vec![(Role::Prefill, self.prefill_workers), (Role::Decode, self.decode_workers)]
+            let (prefill, decode) = self.most_workers();
+            vec![(Role::Prefill, prefill), (Role::Decode, decode)]
         } else {
             vec![(Role::Aggregated, self.workers)]
         };
@@ -197,6 +227,40 @@ impl ReplayConfig {
             )));
         }
         Ok(())
+    }
+
+    /// `scale`, `planner` and `gpus_per_worker`.
+    fn validate_scaling(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.gpus_per_worker == 0 || self.gpus_per_worker > 1024 {
+            return bad(format!("gpus_per_worker is {}; give 1..=1024", self.gpus_per_worker));
+        }
+        if self.scale.is_empty() && self.planner.is_none() {
+            return Ok(());
+        }
+        let what = if self.scale.is_empty() { "planner" } else { "scale" };
+        if !self.is_disaggregated() {
+            return bad(format!(
+                "{what}: scaling changes prefill and decode workers; give prefill_workers and decode_workers"
+            ));
+        }
+        // Device-aware weights are one per worker in id order: they cannot follow the list.
+        for (key, mode) in [("prefill_router", &self.prefill_router), ("decode_router", &self.decode_router)]
+        {
+            if matches!(mode, RouterMode::DeviceAware { weights } if !weights.is_empty()) {
+                return bad(format!(
+                    "{key}: device-aware weights are one per worker and cannot follow {what}; give no weights"
+                ));
+            }
+        }
+        crate::adapters::replay::scaling::validate(
+            &self.scale,
+            self.planner.as_ref(),
+            (self.prefill_workers, self.decode_workers),
+            MAX_DURATION_MS,
+            MAX_WORKERS,
+        )
+        .map_err(ConfigError::Invalid)
     }
 
     /// Checks everything a replay relies on, naming the offending setting.
@@ -264,6 +328,7 @@ impl ReplayConfig {
                 "contention needs the bandwidth transfer model (transfer.mode = \"bandwidth\")".into()
             );
         }
+        self.validate_scaling()?;
         self.validate_cluster_memory()?;
         crate::adapters::replay::faults::validate(&self.faults, self.effective_policy())
             .map_err(ConfigError::Invalid)?;

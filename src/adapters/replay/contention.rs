@@ -100,6 +100,18 @@ struct Nic {
 }
 
 impl Nic {
+    /// `name`'s NIC: its own override, else the shared settings, else the link's.
+    fn configured(config: &ContentionConfig, name: &str, link: &BandwidthTransfer) -> Self {
+        let nic = config.workers.get(name).copied().unwrap_or_default();
+        Nic {
+            bandwidth_gbps: nic.bandwidth_gbps.or(config.nic_bandwidth_gbps).unwrap_or(link.bandwidth_gbps),
+            latency_ns: nic.latency_ns.or(config.latency_ns).unwrap_or(link.latency_ns),
+            admitted: 0,
+            waiting: 0,
+            moving: BTreeSet::new(),
+        }
+    }
+
     fn share_bytes_per_ns(&self) -> f64 {
         self.bandwidth_gbps / self.moving.len().max(1) as f64
     }
@@ -173,22 +185,7 @@ impl ContentionModel {
         if let Some(name) = nic_names.iter().find(|name| !seen.insert(name.as_str())) {
             return Err(format!("contention: worker name {name} appears twice"));
         }
-        let nics = nic_names
-            .iter()
-            .map(|name| {
-                let nic = config.workers.get(name).copied().unwrap_or_default();
-                Nic {
-                    bandwidth_gbps: nic
-                        .bandwidth_gbps
-                        .or(config.nic_bandwidth_gbps)
-                        .unwrap_or(link.bandwidth_gbps),
-                    latency_ns: nic.latency_ns.or(config.latency_ns).unwrap_or(link.latency_ns),
-                    admitted: 0,
-                    waiting: 0,
-                    moving: BTreeSet::new(),
-                }
-            })
-            .collect();
+        let nics = nic_names.iter().map(|name| Nic::configured(config, name, link)).collect();
         Ok(ContentionModel {
             nics,
             slots_per_nic: config.max_concurrent_per_worker.map_or(u64::MAX, u64::from),
@@ -199,6 +196,13 @@ impl ContentionModel {
             now_ns: 0,
             next_sequence: 0,
         })
+    }
+
+    /// A worker joined the cluster: its NIC gets the next index (the replay's slot for it),
+    /// configured as `new` would have.
+    pub fn add_nic(&mut self, config: &ContentionConfig, name: &str, link: &BandwidthTransfer) -> usize {
+        self.nics.push(Nic::configured(config, name, link));
+        self.nics.len() - 1
     }
 
     /// Transfers started and neither finished nor cancelled.

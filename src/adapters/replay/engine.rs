@@ -16,6 +16,10 @@
 //! * The frontend keeps each request's guard (its workers, its handoff, whether it ended): the
 //!   router's request guard, which frees bookings exactly once at the terminal outcome. Handoff
 //!   state itself lives only in the role machines on each worker.
+//! * The cluster may change shape mid-run (`scaling`): a joining worker gets the next slot, a
+//!   lane and a stream of its own; a leaving one is out of routing at once and is looked at
+//!   after every event until it holds nothing, then writes `WorkerLeft`. Without a plan or a
+//!   planner none of this runs.
 //! * The run ends when no event is left. Every worker must then be drained; if one is not, the
 //!   replay says which handoffs are stuck, where, and on what they wait.
 
@@ -24,6 +28,7 @@ use crate::adapters::replay::contention::ContentionModel;
 use crate::adapters::replay::faults::{FaultKind, FaultReport, FaultState, Late};
 use crate::adapters::replay::identity::{self, TraceIdentity};
 use crate::adapters::replay::queue::EventQueue;
+use crate::adapters::replay::scaling::{role_name, Planner, ScaledWorker, ScalingDecision};
 use crate::adapters::replay::sink::FactSink;
 use crate::adapters::replay::trace::{TraceError, TraceReader};
 use crate::adapters::replay::transfer::{TransferConfig, TransferModel};
@@ -131,6 +136,10 @@ enum Ev {
     },
     /// A delayed fault's time: only makes an event boundary, where the fault is checked.
     FaultTimer,
+    /// The planned change `cfg.scale[i]` is due.
+    Scale(usize),
+    /// The planner looks at the recent requests (every `planner.interval_ms`).
+    PlannerTick,
 }
 
 /// One transition's actions as events, in order. A message that follows a core command in the
@@ -169,6 +178,36 @@ struct Slot {
     /// The latest run of preemptions of one request with nothing finishing on this worker
     /// (see [`Replay::note_preemption`]).
     preemptions: Option<PreemptionStreak>,
+    membership: Membership,
+}
+
+impl Slot {
+    fn new(id: WorkerId, core: Box<dyn EngineCore>) -> Self {
+        Slot {
+            id,
+            core,
+            busy: false,
+            pending: None,
+            inbox: VecDeque::new(),
+            generation: Generation(1),
+            sources: BTreeMap::new(),
+            destinations: BTreeMap::new(),
+            zero_steps: (u64::MAX, 0),
+            preemptions: None,
+            membership: Membership::Active,
+        }
+    }
+}
+
+/// Where a worker stands in the cluster (see `scaling`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Membership {
+    /// Routers may select it.
+    Active,
+    /// Taken out of routing; it finishes what it holds, then leaves.
+    Leaving,
+    /// Drained and gone (its stream ends with `WorkerLeft` at this instant).
+    Left { at_ns: u64 },
 }
 
 /// A request preempted again and again, with no request on its worker finishing, pinning its
@@ -194,6 +233,10 @@ struct Guard {
     /// The outcome to report if the handoff ends without activation (set before the role
     /// machine is told why, so a refusal reads as `rejected`, not `failed`).
     fail_status: Option<TerminalStatus>,
+    /// For the planner's samples: arrival, and the user's first token (from a decode or
+    /// aggregated worker; only noted while a planner runs).
+    arrival_ns: u64,
+    first_token_ns: Option<u64>,
 }
 
 /// What a finished replay hands back.
@@ -222,6 +265,8 @@ pub struct ReplayOutcome {
     pub faults: Vec<FaultReport>,
     /// Sessions, turns issued and dropped.
     pub workload: WorkloadStats,
+    /// Every planned change and planner decision, in the order applied.
+    pub scaling: Vec<ScalingDecision>,
 }
 
 /// Progress callback: (requests arrived, virtual time ns).
@@ -291,6 +336,15 @@ pub struct Replay<'a> {
     /// counts as stuck.
     last_progress_ns: u64,
     progress_limit_ns: u64,
+    /// Each role's slots by worker index (aggregated workers are in `prefill_slots`): slots are
+    /// in join order, the starting workers first in worker order, then each joiner.
+    prefill_slots: Vec<usize>,
+    decode_slots: Vec<usize>,
+    /// Slots taken out of routing and not yet drained (empty unless a removal is under way: the
+    /// event loop only looks at them then).
+    leaving: Vec<usize>,
+    planner: Option<Planner>,
+    scaling: Vec<ScalingDecision>,
 }
 
 /// A worker in a run of quiet steps: `steps` steps from `start_ns`, the first an ordinary step
@@ -445,16 +499,7 @@ impl<'a> Replay<'a> {
         }
         let mut block_size = 0;
         for w in &workers {
-            let core: Box<dyn EngineCore> = match cfg.backend {
-                Backend::Vllm | Backend::TrtLlm => Box::new(
-                    VllmCore::new(*w, cfg.backend, *cfg.vllm_for(w.role))
-                        .map_err(|e| ConfigError::Invalid(format!("vllm: {e}")))?,
-                ),
-                Backend::Sglang => Box::new(
-                    SglangCore::new(*w, cfg.sglang_for(w.role).clone())
-                        .map_err(|e| ConfigError::Invalid(format!("sglang: {e}")))?,
-                ),
-            };
+            let core = make_core(*w, &cfg)?;
             let shape = core.shape();
             if block_size != 0 && shape.block_size != block_size {
                 return Err(ConfigError::Invalid(format!(
@@ -467,24 +512,21 @@ impl<'a> Replay<'a> {
             let header = header(run_id, *w, &cfg, policy, shape);
             metrics.add_stream(&header);
             headers.push(header);
-            slots.push(Slot {
-                id: *w,
-                core,
-                busy: false,
-                pending: None,
-                inbox: VecDeque::new(),
-                generation: Generation(1),
-                sources: BTreeMap::new(),
-                destinations: BTreeMap::new(),
-                zero_steps: (u64::MAX, 0),
-                preemptions: None,
-            });
+            slots.push(Slot::new(*w, core));
         }
         let contention = match (&cfg.transfer, cfg.contention.enabled) {
             (crate::adapters::replay::transfer::TransferConfig::Bandwidth(link), true) => {
                 let names: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
+                // NIC overrides may also name workers that join later.
+                let mut known = names.clone();
+                if !cfg.scale.is_empty() || cfg.planner.is_some() {
+                    for i in 0..crate::adapters::replay::config::MAX_WORKERS {
+                        known.push(WorkerId::prefill(i).to_string());
+                        known.push(WorkerId::decode(i).to_string());
+                    }
+                }
                 cfg.contention
-                    .validate(&names)
+                    .validate(&known)
                     .map_err(|e| ConfigError::Invalid(format!("contention: {e}")))?;
                 Some(
                     ContentionModel::new(&cfg.contention, names, link)
@@ -519,6 +561,15 @@ impl<'a> Replay<'a> {
                     .map_err(route_err)?,
             )
         };
+        let mut prefill_slots = Vec::new();
+        let mut decode_slots = Vec::new();
+        for (s, w) in workers.iter().enumerate() {
+            match w.role {
+                Role::Decode => decode_slots.push(s),
+                _ => prefill_slots.push(s),
+            }
+        }
+        let planner = cfg.planner.map(Planner::new);
         let mut r = Replay {
             policy,
             now_ns: 0,
@@ -561,6 +612,11 @@ impl<'a> Replay<'a> {
             progress_limit_ns: 0,
             run_id,
             description,
+            prefill_slots,
+            decode_slots,
+            leaving: Vec::new(),
+            planner,
+            scaling: Vec::new(),
             cfg,
         };
         for s in 0..r.slots.len() {
@@ -577,6 +633,14 @@ impl<'a> Replay<'a> {
             .saturating_add(1_000)
             .saturating_mul(NS_PER_MS);
         r.arm_arrival();
+        for i in 0..r.cfg.scale.len() {
+            let at = r.cfg.scale[i].at_ms.saturating_mul(NS_PER_MS);
+            r.push(at, Ev::Scale(i));
+        }
+        if let Some(p) = &r.planner {
+            let at = p.interval_ns();
+            r.push(at, Ev::PlannerTick);
+        }
         Ok(r)
     }
 
@@ -713,6 +777,9 @@ impl<'a> Replay<'a> {
                 self.events += 1;
             }
             self.handle(ev)?;
+            if !self.leaving.is_empty() {
+                self.check_leaving()?;
+            }
             if self.now_ns.saturating_sub(self.last_progress_ns) > self.progress_limit_ns {
                 self.check_progress();
             }
@@ -729,6 +796,7 @@ impl<'a> Replay<'a> {
         let stuck = self.diagnose();
         let drained = stuck.is_empty();
         let faults = self.fault_reports();
+        let scaling = self.scaling_report();
         let report = self.sink.finish()?;
         Ok(ReplayOutcome {
             report,
@@ -745,6 +813,7 @@ impl<'a> Replay<'a> {
             virtual_end_ns: self.now_ns,
             faults,
             workload: self.workload.stats(),
+            scaling,
         })
     }
 
@@ -802,10 +871,11 @@ impl<'a> Replay<'a> {
                     self.source_event(slot, handoff, SourceEvent::Message(msg))?;
                 } else if self.slots[slot].destinations.contains_key(&handoff) {
                     self.destination_event(slot, handoff, DestinationEvent::Message(msg))?;
-                } else {
+                } else if !matches!(self.slots[slot].membership, Membership::Left { .. }) {
                     let f = msg.rejected_fact(crate::events::MessageRejection::UnknownHandoff);
                     self.emit(slot, now, f)?;
                 }
+                // (A worker that left has no transport: a straggler message to it is lost.)
             }
             Ev::TransferDone { slot, handoff } => {
                 self.destination_event(slot, handoff, DestinationEvent::ReceiveCompleted)?;
@@ -820,6 +890,8 @@ impl<'a> Replay<'a> {
             Ev::RenewTimer { slot, handoff } => self.on_renew(slot, handoff)?,
             Ev::BootstrapTimer { request } => self.on_bootstrap_timeout(request)?,
             Ev::FaultTimer => {}
+            Ev::Scale(i) => self.on_planned_scale(i)?,
+            Ev::PlannerTick => self.on_planner_tick()?,
         }
         if self.faults.active() {
             self.fault_boundary()?;
@@ -884,6 +956,8 @@ impl<'a> Replay<'a> {
                 decode: None,
                 activated: false,
                 fail_status: None,
+                arrival_ns: now,
+                first_token_ns: None,
             };
             self.guards.insert(id, guard);
             let prefill = Request { output_tokens: 1, ..request };
@@ -906,6 +980,8 @@ impl<'a> Replay<'a> {
                     decode: Some(p_slot),
                     activated: false,
                     fail_status: None,
+                    arrival_ns: now,
+                    first_token_ns: None,
                 },
             );
             self.push(now, Ev::Command { slot: p_slot, cmd: Cmd::Submit(request), then: Vec::new() });
@@ -924,6 +1000,8 @@ impl<'a> Replay<'a> {
             decode: None,
             activated: false,
             fail_status: None,
+            arrival_ns: now,
+            first_token_ns: None,
         };
         let mut dest = None;
         if self.policy == HandoffPolicy::DestinationFirst {
@@ -1013,11 +1091,13 @@ impl<'a> Replay<'a> {
     }
 
     fn slot_of(&self, w: WorkerId) -> usize {
-        // Slots are laid out prefill, then decode (or aggregated only), by index.
-        match w.role {
-            Role::Decode => self.cfg.prefill_workers as usize + w.index as usize,
-            _ => w.index as usize,
-        }
+        let slots = match w.role {
+            Role::Decode => &self.decode_slots,
+            _ => &self.prefill_slots,
+        };
+        // Every worker a router or a message names has a slot; an unknown one maps past the
+        // end, so a bug shows as an out-of-range panic at the caller rather than a wrong worker.
+        slots.get(w.index as usize).copied().unwrap_or(usize::MAX)
     }
 
     // ----- workers -----
@@ -1377,6 +1457,12 @@ impl<'a> Replay<'a> {
         let now = self.now_ns;
         match o {
             EngineOutput::FirstToken { request } => {
+                // The user's first token comes from decode (a prefill worker's is its own).
+                if self.planner.is_some() && self.slots[s].id.role != Role::Prefill {
+                    if let Some(g) = self.guards.get_mut(&request) {
+                        g.first_token_ns.get_or_insert(now);
+                    }
+                }
                 // Aggregated: prefill compute ends with the first token.
                 if self.policy == HandoffPolicy::Disabled {
                     if let Some(f) = self.prefill_router.prefill_compute_done(request) {
@@ -1746,6 +1832,15 @@ impl<'a> Replay<'a> {
         let Some(g) = self.guards.remove(&request) else {
             return Ok(());
         };
+        if let Some(p) = self.planner.as_mut() {
+            // The same figures the report folds: TTFT, and TPOT for more than one token.
+            if let (TerminalStatus::Completed, Some(first)) = (status, g.first_token_ns) {
+                let ttft = first.saturating_sub(g.arrival_ns);
+                let tpot =
+                    (output_tokens > 1).then(|| now.saturating_sub(first) / u64::from(output_tokens - 1));
+                p.record(now, ttft, tpot);
+            }
+        }
         if let Some(f) = self.prefill_router.prefill_compute_done(request) {
             self.emit_router(now, f)?;
         }
@@ -1835,6 +1930,9 @@ impl<'a> Replay<'a> {
                     }
                 ));
             }
+            if slot.membership == Membership::Leaving {
+                out.push(format!("{} was taken out of routing and never drained", slot.id));
+            }
             if !slot.core.is_drained() {
                 let v = slot.core.view();
                 let c = slot.core.snapshot();
@@ -1859,6 +1957,20 @@ impl<'a> Replay<'a> {
     }
 }
 
+/// The engine core of worker `w`, as the configuration gives its role.
+fn make_core(w: WorkerId, cfg: &ReplayConfig) -> Result<Box<dyn EngineCore>, ReplayError> {
+    Ok(match cfg.backend {
+        Backend::Vllm | Backend::TrtLlm => Box::new(
+            VllmCore::new(w, cfg.backend, *cfg.vllm_for(w.role))
+                .map_err(|e| ConfigError::Invalid(format!("vllm: {e}")))?,
+        ),
+        Backend::Sglang => Box::new(
+            SglangCore::new(w, cfg.sglang_for(w.role).clone())
+                .map_err(|e| ConfigError::Invalid(format!("sglang: {e}")))?,
+        ),
+    })
+}
+
 fn header(
     run_id: uuid::Uuid,
     worker: WorkerId,
@@ -1874,6 +1986,215 @@ fn header(
         clock: ClockDomain::Virtual,
         seed: cfg.seed,
         engine,
+    }
+}
+
+// ----- scaling (plan, planner and semantics: scaling.rs) -----
+
+impl Replay<'_> {
+    fn on_planned_scale(&mut self, i: usize) -> Result<(), ReplayError> {
+        let Some(e) = self.cfg.scale.get(i).copied() else {
+            return Err(ReplayError::Engine(format!("scale[{i}] vanished from the plan")));
+        };
+        for (role, change) in [(Role::Prefill, e.prefill), (Role::Decode, e.decode)] {
+            if change != 0 {
+                self.scale_role(role, change, format!("planned (scale[{i}])"))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn on_planner_tick(&mut self) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        let active = (self.active_count(Role::Prefill), self.active_count(Role::Decode));
+        let Some(planner) = self.planner.as_mut() else { return Ok(()) };
+        let changes = planner.decide(now, active);
+        let interval_ns = planner.interval_ns();
+        for c in changes {
+            if self.scale_role(c.role, c.change, c.reason)? != 0 {
+                if let Some(p) = self.planner.as_mut() {
+                    p.changed(c.role, now);
+                }
+            }
+        }
+        // Ticks never keep a run alive on their own: with nothing else queued, nothing can
+        // happen any more but ticks.
+        if !self.queue.is_empty() {
+            self.push(now.saturating_add(interval_ns), Ev::PlannerTick);
+        }
+        Ok(())
+    }
+
+    /// Workers of `role` that routers may select.
+    fn active_count(&self, role: Role) -> u32 {
+        let slots = if role == Role::Prefill { &self.prefill_slots } else { &self.decode_slots };
+        slots.iter().filter(|s| self.slots[**s].membership == Membership::Active).count() as u32
+    }
+
+    /// Adds `change` workers of `role` (or takes `-change` out of routing), as far as the
+    /// limits allow, and records the decision. Returns the change applied.
+    fn scale_role(&mut self, role: Role, change: i32, mut reason: String) -> Result<i32, ReplayError> {
+        let now = self.now_ns;
+        let wanted = change.unsigned_abs();
+        let mut workers = Vec::new();
+        let mut refused = None;
+        for k in 0..wanted {
+            if change > 0 {
+                match self.add_worker(role)? {
+                    Some(w) => workers.push(w),
+                    None => {
+                        refused = Some(format!(
+                            "{} of {wanted} additions refused: at most {} {} workers per run",
+                            wanted - k,
+                            crate::adapters::replay::config::MAX_WORKERS,
+                            role_name(role)
+                        ));
+                        break;
+                    }
+                }
+            } else {
+                if self.active_count(role) <= 1 {
+                    refused = Some(format!(
+                        "{} of {wanted} removals refused: a role keeps at least one worker taking work",
+                        wanted - k
+                    ));
+                    break;
+                }
+                workers.push(self.start_leaving(role)?);
+            }
+        }
+        if let Some(r) = refused {
+            reason.push_str("; ");
+            reason.push_str(&r);
+        }
+        let applied = workers.len() as i32 * change.signum();
+        let names: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
+        tracing::info!(at_ms = now as f64 / 1e6, role = role_name(role), applied, workers = ?names, %reason, "scaled");
+        self.scaling.push(ScalingDecision {
+            at_ms: now as f64 / 1e6,
+            role: role_name(role),
+            change: applied,
+            reason,
+            workers: names.into_iter().map(|worker| ScaledWorker { worker, left_at_ms: None }).collect(),
+        });
+        Ok(applied)
+    }
+
+    /// A worker joins now with the next index of its role: a new stream starting with
+    /// `SessionStarted`, a lane, a NIC, and a place in its router. `None` when the role has
+    /// had as many workers as a run may create.
+    fn add_worker(&mut self, role: Role) -> Result<Option<WorkerId>, ReplayError> {
+        let now = self.now_ns;
+        let index = if role == Role::Prefill { self.prefill_slots.len() } else { self.decode_slots.len() };
+        if index >= crate::adapters::replay::config::MAX_WORKERS as usize {
+            return Ok(None);
+        }
+        let w = WorkerId { role, index: index as u32, dp_rank: 0 };
+        let core = make_core(w, &self.cfg)?;
+        let shape = core.shape();
+        if shape.block_size != self.block_size {
+            return Err(ReplayError::Engine(format!(
+                "{w}: block size {} differs from other workers' {}",
+                shape.block_size, self.block_size
+            )));
+        }
+        self.sink.add_stream(header(self.run_id, w, &self.cfg, self.policy, shape));
+        let s = self.slots.len();
+        self.slots.push(Slot::new(w, core));
+        if self.queue.add_lane() != s {
+            return Err(ReplayError::Engine(format!("{w}: its lane and slot differ")));
+        }
+        self.quiet.runs.push(None);
+        self.quiet.next_at.push(u64::MAX);
+        if role == Role::Prefill {
+            self.prefill_slots.push(s);
+        } else {
+            self.decode_slots.push(s);
+        }
+        if let (Some(m), TransferConfig::Bandwidth(link)) = (self.contention.as_mut(), &self.cfg.transfer) {
+            // NICs are numbered as slots are.
+            if m.add_nic(&self.cfg.contention, &w.to_string(), link) != s {
+                return Err(ReplayError::Engine(format!("{w}: its NIC and slot differ")));
+            }
+        }
+        self.emit(s, now, Fact::SessionStarted { generation: Generation(1) })?;
+        self.router_of(role)?
+            .add_worker(w)
+            .map_err(|e| ReplayError::Engine(format!("adding {w} to its router: {e}")))?;
+        Ok(Some(w))
+    }
+
+    fn router_of(&mut self, role: Role) -> Result<&mut Router, ReplayError> {
+        match role {
+            Role::Decode => {
+                self.decode_router.as_mut().ok_or_else(|| ReplayError::Engine("no decode router".into()))
+            }
+            _ => Ok(&mut self.prefill_router),
+        }
+    }
+
+    /// Takes the highest-indexed worker of `role` still taking work out of routing; it leaves
+    /// once drained (see [`Replay::check_leaving`]).
+    fn start_leaving(&mut self, role: Role) -> Result<WorkerId, ReplayError> {
+        let slots = if role == Role::Prefill { &self.prefill_slots } else { &self.decode_slots };
+        let Some(s) = slots.iter().rev().copied().find(|s| self.slots[*s].membership == Membership::Active)
+        else {
+            return Err(ReplayError::Engine(format!("no {} worker left to remove", role_name(role))));
+        };
+        let w = self.slots[s].id;
+        self.slots[s].membership = Membership::Leaving;
+        self.router_of(role)?
+            .remove_worker(w)
+            .map_err(|e| ReplayError::Engine(format!("taking {w} out of its router: {e}")))?;
+        self.leaving.push(s);
+        Ok(w)
+    }
+
+    /// Every leaving worker that holds nothing any more (no step, command, request, pin,
+    /// reservation or booking) leaves now: `WorkerLeft` ends its stream.
+    fn check_leaving(&mut self) -> Result<(), ReplayError> {
+        let mut i = 0;
+        while i < self.leaving.len() {
+            let s = self.leaving[i];
+            let slot = &self.slots[s];
+            let router = if slot.id.role == Role::Decode {
+                self.decode_router.as_ref()
+            } else {
+                Some(&self.prefill_router)
+            };
+            let drained = !slot.busy
+                && slot.pending.is_none()
+                && slot.inbox.is_empty()
+                && slot.sources.is_empty()
+                && slot.destinations.is_empty()
+                && slot.core.is_drained()
+                && router.map_or(true, |r| r.load(slot.id).is_zero());
+            if !drained {
+                i += 1;
+                continue;
+            }
+            self.leaving.remove(i);
+            let (now, generation) = (self.now_ns, slot.generation);
+            self.emit(s, now, Fact::WorkerLeft { generation })?;
+            self.slots[s].membership = Membership::Left { at_ns: now };
+        }
+        Ok(())
+    }
+
+    /// The decisions, with when each removed worker left.
+    fn scaling_report(&mut self) -> Vec<ScalingDecision> {
+        let mut out = std::mem::take(&mut self.scaling);
+        for d in out.iter_mut().filter(|d| d.change < 0) {
+            for w in &mut d.workers {
+                let slot = w.worker.parse::<WorkerId>().ok().map(|id| self.slot_of(id));
+                if let Some(Membership::Left { at_ns }) =
+                    slot.and_then(|s| self.slots.get(s)).map(|s| s.membership)
+                {
+                    w.left_at_ms = Some(at_ns as f64 / 1e6);
+                }
+            }
+        }
+        out
     }
 }
 

@@ -1,5 +1,5 @@
-//! Offline replay: trace readers, when requests arrive (workload), transfer timing, configuration and
-//! the discrete-event loop.
+//! Offline replay: trace readers, when requests arrive (workload), transfer timing, configuration,
+//! scaling the cluster during a run, and the discrete-event loop.
 
 pub mod config;
 pub mod contention;
@@ -7,6 +7,7 @@ pub mod engine;
 pub mod faults;
 pub mod identity;
 pub mod queue;
+pub mod scaling;
 pub mod sink;
 pub mod trace;
 pub mod transfer;

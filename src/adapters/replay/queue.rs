@@ -1,6 +1,7 @@
 //! The replay's event queue: events ordered by `(time, rank)`.
 //!
-//! At one instant, step boundaries come first, in worker order; every other event follows, in
+//! At one instant, step boundaries come first, in worker (lane) order — the starting workers in
+//! worker order, then any that joined mid-run in join order; every other event follows, in
 //! insertion order; last come step *starts*, in worker order: a worker that is free at `t`
 //! starts its next step only once everything else due at `t` has been delivered, so requests
 //! that arrive together are batched together (as the real schedulers take everything waiting
@@ -75,6 +76,14 @@ impl<E> EventQueue<E> {
             start_at: vec![EMPTY; lanes],
             starts_used: 0,
         }
+    }
+
+    /// Adds a lane (a worker that joined mid-run) and returns its number: ranked after every
+    /// earlier lane, so boundaries of the same instant keep the order of the workers' slots.
+    pub fn add_lane(&mut self) -> usize {
+        self.lane_at.push(EMPTY);
+        self.start_at.push(EMPTY);
+        self.lane_at.len() - 1
     }
 
     /// Events waiting.

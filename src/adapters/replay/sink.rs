@@ -6,12 +6,16 @@
 //! in emission order, to a writer thread in batches, and the writer appends and folds them in
 //! exactly that order. Logs and report are byte-for-byte what a single thread would produce.
 //!
+//! A worker that joins mid-run (planned scaling, the planner) gets its stream declared through
+//! the same hand-over, ahead of the batch that carries its first record, so the writer creates
+//! the file and the fold registers the stream before either sees a fact of it.
+//!
 //! The hand-over is bounded (a few batches in flight), so a slow disk slows the loop down
 //! instead of buffering the run in memory. The first error the writer meets stops it; the loop
 //! sees the closed channel at its next hand-over and reports that error.
 
 use super::engine::ReplayError;
-use crate::events::{Fact, LogError, Record, RunWriter};
+use crate::events::{Fact, LogError, Record, RunWriter, StreamHeader};
 use crate::ids::WorkerId;
 use crate::projections::metrics::{MetricsFold, MetricsReport};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
@@ -24,10 +28,20 @@ const BATCHES_IN_FLIGHT: usize = 4;
 
 type Batch = Vec<(WorkerId, u64, Fact)>;
 
+/// One hand-over: streams that joined since the last one (declared before any fact of the
+/// batch is written), then the facts in emission order.
+struct Handover {
+    streams: Vec<StreamHeader>,
+    facts: Batch,
+}
+
 /// The loop's end of the hand-over.
 pub struct FactSink {
     batch: Batch,
-    to_writer: Option<SyncSender<Batch>>,
+    /// Streams declared since the last hand-over (empty, and never allocated, in a run whose
+    /// workers are all known up front).
+    streams: Vec<StreamHeader>,
+    to_writer: Option<SyncSender<Handover>>,
     /// Emptied batches coming back, so steady state allocates nothing.
     recycled: Receiver<Batch>,
     writer: Option<JoinHandle<Result<MetricsReport, LogError>>>,
@@ -36,7 +50,7 @@ pub struct FactSink {
 impl FactSink {
     /// Starts the writer thread, which owns `out` and `metrics` until [`FactSink::finish`].
     pub fn start(out: RunWriter, metrics: MetricsFold) -> std::io::Result<Self> {
-        let (to_writer, from_loop) = sync_channel::<Batch>(BATCHES_IN_FLIGHT);
+        let (to_writer, from_loop) = sync_channel::<Handover>(BATCHES_IN_FLIGHT);
         // Room for every batch in flight and then some; the writer returns them with try_send, so
         // a full return channel only means the loop has spares enough and the batch is dropped.
         let (to_loop, recycled) = sync_channel::<Batch>(BATCHES_IN_FLIGHT + 2);
@@ -45,6 +59,7 @@ impl FactSink {
             .spawn(move || write_batches(out, metrics, from_loop, to_loop))?;
         Ok(FactSink {
             batch: Vec::with_capacity(BATCH_FACTS),
+            streams: Vec::new(),
             to_writer: Some(to_writer),
             recycled,
             writer: Some(writer),
@@ -61,10 +76,17 @@ impl FactSink {
         Ok(())
     }
 
+    /// A worker joined: its stream is created (and folded) from `header` before the first fact
+    /// pushed for it after this call.
+    pub fn add_stream(&mut self, header: StreamHeader) {
+        self.streams.push(header);
+    }
+
     fn hand_over(&mut self) -> Result<(), ReplayError> {
         let next = self.recycled.try_recv().unwrap_or_else(|_| Vec::with_capacity(BATCH_FACTS));
-        let full = std::mem::replace(&mut self.batch, next);
-        let sent = self.to_writer.as_ref().is_some_and(|tx| tx.send(full).is_ok());
+        let facts = std::mem::replace(&mut self.batch, next);
+        let handover = Handover { streams: std::mem::take(&mut self.streams), facts };
+        let sent = self.to_writer.as_ref().is_some_and(|tx| tx.send(handover).is_ok());
         if !sent {
             // The writer stopped: its error says why.
             return Err(match self.join() {
@@ -89,7 +111,7 @@ impl FactSink {
     /// Hands over what is left, waits for the writer to flush every stream, and returns the
     /// report folded from exactly the facts written.
     pub fn finish(mut self) -> Result<MetricsReport, ReplayError> {
-        if !self.batch.is_empty() {
+        if !self.batch.is_empty() || !self.streams.is_empty() {
             self.hand_over()?;
         }
         self.join()
@@ -109,10 +131,14 @@ impl Drop for FactSink {
 fn write_batches(
     mut out: RunWriter,
     mut metrics: MetricsFold,
-    from_loop: Receiver<Batch>,
+    from_loop: Receiver<Handover>,
     to_loop: SyncSender<Batch>,
 ) -> Result<MetricsReport, LogError> {
-    while let Ok(mut batch) = from_loop.recv() {
+    while let Ok(Handover { streams, facts: mut batch }) = from_loop.recv() {
+        for header in streams {
+            metrics.add_stream(&header);
+            out.declare(header)?;
+        }
         for (worker, at_ns, fact) in batch.drain(..) {
             let seq = out.append(worker, at_ns, &fact)?;
             metrics.apply(worker, &Record { seq, at_ns, fact });
