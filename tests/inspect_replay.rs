@@ -46,7 +46,8 @@ fn vllm_cascade_replay_reports_a_cascade_set_off_by_decode_exhaustion() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("cascade-vllm");
     replay("vllm", &run);
-    let text = inspect(&run, &["--top", "3"]);
+    let raw = inspect(&run, &["--top", "3"]);
+    let text = flat(&raw);
     let json = inspect(&run, &["--json", "--top", "3"]);
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     let c = &v["cascade"];
@@ -84,7 +85,7 @@ fn vllm_cascade_replay_reports_a_cascade_set_off_by_decode_exhaustion() {
         "DECODE HEAD-OF-LINE BLOCKING: 162 intervals on decode-0, decode-1 (first at 9330.629 ms on decode-0; \
          longest 34676.333 ms)"
     ));
-    insta::assert_snapshot!("inspect_text_replay_cascade_vllm", text);
+    insta::assert_snapshot!("inspect_text_replay_cascade_vllm", raw);
     insta::assert_snapshot!("inspect_json_replay_cascade_vllm", json);
 }
 
@@ -93,7 +94,8 @@ fn sglang_cascade_replay_reports_gating_not_a_cascade() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("cascade-sglang");
     replay("sglang", &run);
-    let text = inspect(&run, &["--top", "3"]);
+    let raw = inspect(&run, &["--top", "3"]);
+    let text = flat(&raw);
     let json = inspect(&run, &["--json", "--top", "3"]);
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert!(v["cascade"].is_null(), "destination-first must not strand: {}", v["cascade"]);
@@ -111,7 +113,7 @@ fn sglang_cascade_replay_reports_gating_not_a_cascade() {
     assert_eq!(hol["intervals"][0]["started_at_ms"], 66241.877399);
     assert_eq!(hol["intervals"][0]["head_request"], 50);
     assert_eq!(v["preemption_storms"]["storms"], serde_json::json!([]));
-    insta::assert_snapshot!("inspect_text_replay_cascade_sglang", text);
+    insta::assert_snapshot!("inspect_text_replay_cascade_sglang", raw);
     insta::assert_snapshot!("inspect_json_replay_cascade_sglang", json);
 }
 
@@ -242,7 +244,7 @@ fn a_thrashing_decode_worker_has_the_preemption_storms_a_scan_finds() {
         assert_eq!(got, expected, "n {n}, window {window_ms} ms");
     }
     // The default thresholds find storms here (the test would prove nothing otherwise).
-    let text = inspect(&run, &[]);
+    let text = flat(&inspect(&run, &[]));
     let expected = scan_storms(&preemptions, 10, 1_000_000_000, run_end);
     assert!(!expected.is_empty(), "the thrashing replay no longer storms: {preemptions:?}");
     let total: u64 = expected.iter().map(|s| s.2).sum();
@@ -527,7 +529,13 @@ fn a_healthy_run_has_no_storm_and_no_head_of_line_blocking() {
     assert_eq!(v["preemption_storms"]["storms"], serde_json::json!([]));
     assert_eq!(v["decode_hol_blocking"]["intervals"], serde_json::json!([]));
     assert_eq!(v["decode_hol_blocking"]["per_worker"], serde_json::json!([]));
-    let text = inspect(&root().join("fixtures/runs/scripted-healthy"), &[]);
+    let text = flat(&inspect(&root().join("fixtures/runs/scripted-healthy"), &[]));
     assert!(text.contains("PREEMPTION STORMS: none"));
     assert!(text.contains("DECODE HEAD-OF-LINE BLOCKING: none"));
+}
+
+/// The text report with every run of white space as one space: prose lines wrap at 120 columns,
+/// and a finding reads the same wherever its line breaks.
+fn flat(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
 }

@@ -80,10 +80,44 @@ pub fn run(args: &InspectArgs) -> Result<u8, CliError> {
     Ok(0)
 }
 
+/// Columns the text report fits into: tables shrink (wrapping cells) and prose lines wrap.
+const TEXT_WIDTH: usize = 120;
+
 fn table() -> Table {
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
+    t.set_content_arrangement(comfy_table::ContentArrangement::Dynamic);
+    t.set_width(TEXT_WIDTH as u16);
     t
+}
+
+/// Breaks a prose line longer than `TEXT_WIDTH` at spaces; continuation lines are indented two
+/// columns past the line's own indentation.
+fn wrap_prose(l: &str) -> String {
+    if l.chars().count() <= TEXT_WIDTH {
+        return l.to_string();
+    }
+    let indent = l.chars().take_while(|c| *c == ' ').count();
+    let cont = " ".repeat(indent + 2);
+    let mut out = String::new();
+    let mut len = 0;
+    for (i, word) in l.trim_start().split(' ').enumerate() {
+        let w = word.chars().count();
+        if i == 0 {
+            out.push_str(&" ".repeat(indent));
+            len = indent;
+        } else if len + 1 + w > TEXT_WIDTH {
+            out.push('\n');
+            out.push_str(&cont);
+            len = cont.len();
+        } else {
+            out.push(' ');
+            len += 1;
+        }
+        out.push_str(word);
+        len += w;
+    }
+    out
 }
 
 fn f3(v: f64) -> String {
@@ -152,7 +186,15 @@ fn peak_pct(p: &PeakAt, total: u64) -> String {
 pub fn text(r: &InspectReport, path: &Path) -> String {
     let mut s = String::new();
     let mut line = |l: String| {
-        s.push_str(&l);
+        // Tables come in as one string of many lines, already fitted; prose is wrapped here.
+        for part in l.split('\n') {
+            s.push_str(&wrap_prose(part));
+            s.push('\n');
+        }
+        if l.is_empty() {
+            return;
+        }
+        s.pop();
         s.push('\n');
     };
     let names: Vec<String> = r.run.workers.iter().map(|w| w.worker.to_string()).collect();

@@ -1,6 +1,6 @@
 //! The replay report as a table for people.
 
-use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
+use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, CellAlignment, Table};
 use handoff_ledger::projections::distribution::Stats;
 use handoff_ledger::projections::MetricsReport;
 
@@ -70,17 +70,15 @@ pub fn table(r: &MetricsReport, gpus_per_worker: Option<u32>) -> String {
     }
     let mut lat = Table::new();
     lat.load_preset(UTF8_FULL_CONDENSED);
-    lat.set_header(vec!["ms", "mean", "p50", "p90", "p99", "max", "n"]);
+    lat.set_header(vec!["latency", "mean", "p50", "p90", "p99", "max", "n"]);
     let mut add = |name: &str, s: &Stats| {
-        lat.add_row(vec![
-            name.to_string(),
-            f(s.mean),
-            f(s.p50),
-            f(s.p90),
-            f(s.p99),
-            f(s.max),
-            s.count.to_string(),
-        ]);
+        let right = |text: String| Cell::new(text).set_alignment(CellAlignment::Right);
+        let mut row = vec![Cell::new(name)];
+        // An empty statistic has no value, not a value of zero.
+        let values = [s.mean, s.p50, s.p90, s.p99, s.max];
+        row.extend(values.iter().map(|v| right(if s.count == 0 { "—".to_string() } else { duration(*v) })));
+        row.push(right(s.count.to_string()));
+        lat.add_row(row);
     };
     add("TTFT", &r.ttft_ms);
     add("TPOT", &r.tpot_ms);
@@ -94,7 +92,33 @@ pub fn table(r: &MetricsReport, gpus_per_worker: Option<u32>) -> String {
     if !r.pinned_block_seconds.is_empty() {
         let parts: Vec<String> =
             r.pinned_block_seconds.iter().map(|(w, v)| format!("{w} {}", f(*v))).collect();
-        s.push_str(&format!("\npinned block-seconds: {}", parts.join(", ")));
+        s.push_str(&wrapped("pinned block-seconds: ", &parts, 100));
     }
     s
+}
+
+/// A latency in ms as a person reads it: ms below 10 s, seconds above.
+fn duration(ms: f64) -> String {
+    if ms.abs() >= 10_000.0 {
+        format!("{:.1} s", ms / 1e3)
+    } else {
+        format!("{} ms", f(ms))
+    }
+}
+
+/// `label` then `parts` joined by ", ", broken into lines of at most `width` characters (a
+/// cluster of 100 prefill workers is one figure per worker, not one 3,000-character line).
+fn wrapped(label: &str, parts: &[String], width: usize) -> String {
+    let mut out = format!("\n{label}");
+    let mut line_len = label.chars().count();
+    for (i, p) in parts.iter().enumerate() {
+        let piece = if i + 1 < parts.len() { format!("{p}, ") } else { p.clone() };
+        if line_len + piece.chars().count() > width && line_len > label.len() {
+            out.push_str("\n  ");
+            line_len = 2;
+        }
+        line_len += piece.chars().count();
+        out.push_str(&piece);
+    }
+    out
 }
