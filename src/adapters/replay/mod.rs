@@ -1,5 +1,5 @@
-//! Offline replay: trace readers, when requests arrive (workload), transfer timing, configuration and
-//! the discrete-event loop.
+//! Offline replay: trace readers, when requests arrive (workload), transfer timing, configuration,
+//! sweeps over configurations and the discrete-event loop.
 
 pub mod config;
 pub mod contention;
@@ -8,6 +8,7 @@ pub mod faults;
 pub mod identity;
 pub mod queue;
 pub mod sink;
+pub mod sweep;
 pub mod trace;
 pub mod transfer;
 pub mod workload;
