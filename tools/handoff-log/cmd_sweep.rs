@@ -240,7 +240,7 @@ fn run_one(args: &SweepArgs, p: &PlannedRun) -> Result<Finished, CliError> {
 /// shard's own, or one that is not a run of this sweep at all (another label, or the same label
 /// with another run id: another trace, configuration or seed), which `compare DIR/*` would
 /// otherwise mix in. Other shards' runs of this same sweep are left alone, so that shards can
-/// share one directory.
+/// share one directory, even while they run.
 fn prepare_out(
     out: &Path,
     planned: &[PlannedRun],
@@ -264,10 +264,12 @@ fn prepare_out(
         }
         let ours = planned.iter().position(|p| p.label == name);
         let keep = match ours {
-            Some(i) if !shard.includes(i) => {
-                RunReader::open(&dir).ok().and_then(|r| r.headers().first().map(|h| h.run_id))
-                    == Some(run_ids[i])
-            }
+            // Another shard's run: kept unless its run id says it is another sweep's. One whose
+            // streams cannot be read yet may be being written by that shard right now.
+            Some(i) if !shard.includes(i) => match RunReader::open(&dir) {
+                Ok(r) => r.headers().first().map_or(true, |h| h.run_id == run_ids[i]),
+                Err(_) => true,
+            },
             _ => false,
         };
         if !keep {
