@@ -2,9 +2,16 @@
 //! the cascade trace (`fixtures/traces/cascade.jsonl` with `fixtures/configs/cascade.json`,
 //! 2 prefill + 2 decode workers), where vLLM strands prefill KV and SGLang does not, and the
 //! 200-line Mooncake sample. Also the goodput objectives (`--slo`) of `replay` and `compare`,
-//! and the run id's derivation from trace, configuration and seed.
+//! and the run id's derivation from trace, configuration and seed. And `handoff-log sweep`:
+//! how grids expand, that its runs are byte for byte the lone replays' whatever the job count,
+//! shards, and what it refuses.
 
 use assert_cmd::Command;
+use handoff_ledger::adapters::replay::config::ReplayConfig;
+use handoff_ledger::adapters::replay::sweep::{label, plan, Grid, Shard};
+use handoff_ledger::adapters::replay::transfer::TransferConfig;
+use handoff_ledger::ids::Backend;
+use handoff_ledger::router::RouterMode;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -326,4 +333,255 @@ fn bad_input_exits_2_naming_it() {
     let o = cli().arg("compare").arg(&run).arg("--svg").arg(&bad_svg).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains(bad_svg.to_str().unwrap()));
+}
+
+// ----- sweep -----
+
+fn grids(specs: &[&str]) -> Vec<Grid> {
+    specs.iter().map(|s| s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))).collect()
+}
+
+#[test]
+fn grids_expand_in_order_the_last_fastest_with_labels_that_name_the_values() {
+    let base = ReplayConfig { prefill_workers: 2, decode_workers: 2, ..ReplayConfig::default() };
+    let runs =
+        plan(&base, &grids(&["backend=vllm,sglang", "decode=1,2,3", "router=kv,round-robin"])).unwrap();
+    let labels: Vec<&str> = runs.iter().map(|r| r.label.as_str()).collect();
+    assert_eq!(labels.len(), 12);
+    assert_eq!(
+        labels[..4],
+        [
+            "000-backend=vllm,decode=1,router=kv",
+            "001-backend=vllm,decode=1,router=round-robin",
+            "002-backend=vllm,decode=2,router=kv",
+            "003-backend=vllm,decode=2,router=round-robin",
+        ]
+    );
+    assert_eq!(labels[11], "011-backend=sglang,decode=3,router=round-robin");
+    for (i, r) in runs.iter().enumerate() {
+        assert_eq!(r.index, i);
+        let c = &r.config;
+        assert_eq!(c.backend == Backend::Sglang, i >= 6);
+        assert_eq!(c.decode_workers as usize, 1 + (i / 2) % 3);
+        assert_eq!(c.prefill_workers, 2, "untouched keys keep the base's values");
+        let router = if i % 2 == 0 { RouterMode::kv() } else { RouterMode::RoundRobin };
+        assert_eq!((&c.prefill_router, &c.decode_router), (&router, &router), "router sets both stages");
+    }
+
+    // Dotted keys reach into tables; a per-role engine table starts from the shared one.
+    let runs = plan(
+        &base,
+        &grids(&[
+            "vllm.num_gpu_blocks=512",
+            "decode_vllm.max_num_seqs=8",
+            "transfer.bandwidth_gbps=12.5",
+            "lease_renew_ms=null,1000",
+        ]),
+    )
+    .unwrap();
+    assert_eq!(runs.len(), 2);
+    let c = &runs[1].config;
+    assert_eq!(c.vllm.num_gpu_blocks, 512);
+    let decode = c.decode_vllm.expect("decode_vllm set");
+    assert_eq!((decode.max_num_seqs, decode.num_gpu_blocks), (8, 512));
+    assert_eq!(decode.block_size, c.vllm.block_size);
+    assert!(matches!(c.transfer, TransferConfig::Bandwidth(b) if b.bandwidth_gbps == 12.5));
+    assert_eq!((runs[0].config.lease_renew_ms, c.lease_renew_ms), (None, Some(1000)));
+    assert_eq!(runs[1].label, "001-vllm.num_gpu_blocks=512,decode_vllm.max_num_seqs=8,transfer.bandwidth_gbps=12.5,lease_renew_ms=1000");
+
+    // As --workers: aggregated serving.
+    let runs = plan(&base, &grids(&["workers=3", "speedup=2", "seed=4"])).unwrap();
+    let c = &runs[0].config;
+    assert_eq!((c.workers, c.prefill_workers, c.decode_workers), (3, 0, 0));
+    assert_eq!((c.arrival_speedup, c.seed), (2.0, 4));
+
+    // Names sort in run order however many runs there are, and stay filesystem-safe.
+    let seeds: Vec<String> = (0..=1000).map(|s| s.to_string()).collect();
+    let runs = plan(&base, &grids(&[&format!("seed={}", seeds.join(","))])).unwrap();
+    assert_eq!((runs[0].label.as_str(), runs[1000].label.as_str()), ("0000-seed=0", "1000-seed=1000"));
+    assert_eq!(label(7, 3, &[("x.y".into(), "a/b c:*".into())]), "007-x.y=a_b_c__");
+}
+
+#[test]
+fn grids_and_shards_refuse_what_they_cannot_mean() {
+    let base = ReplayConfig { prefill_workers: 2, decode_workers: 2, ..ReplayConfig::default() };
+    let fails = |specs: &[&str], needles: &[&str]| {
+        let e = plan(&base, &grids(specs)).expect_err(&format!("{specs:?}")).to_string();
+        for n in needles {
+            assert!(e.contains(n), "{specs:?}: `{e}` does not name `{n}`");
+        }
+    };
+    fails(&["nonsense=1"], &["nonsense=1", "unknown field"]);
+    fails(&["vllm.nonsense=1"], &["vllm.nonsense=1", "unknown field"]);
+    fails(&["decode=abc"], &["decode=abc"]);
+    fails(&["vllm.num_gpu_blocks=many"], &["vllm.num_gpu_blocks=many"]);
+    fails(&["lease_ms.x=1"], &["lease_ms.x=1", "not a table"]);
+    fails(&["router=fastest"], &["router=fastest", "fastest"]);
+    fails(&["decode=1,2", "workers=2"], &["decode", "workers"]);
+    fails(&["router=kv", "decode_router=p2c"], &["router", "decode_router"]);
+    fails(&["seed=1", "seed=2"], &["seed", "twice"]);
+    // Valid on its own, invalid as a configuration: the run is named.
+    fails(&["decode=0,1"], &["000-decode=0", "disaggregated serving"]);
+    for bad in ["decode", "decode=", "decode=1,,2", "=1", "decode=1,1"] {
+        assert!(bad.parse::<Grid>().is_err(), "{bad}");
+    }
+
+    let shard: Shard = "2/3".parse().unwrap();
+    let picked: Vec<usize> = (0..8).filter(|i| shard.includes(*i)).collect();
+    assert_eq!(picked, [1, 4, 7]);
+    for bad in ["3/2", "0/2", "1/0", "1", "a/b", "-1/2"] {
+        assert!(bad.parse::<Shard>().unwrap_err().contains(bad), "{bad}");
+    }
+}
+
+/// `sweep` on the cascade fixture with `args`; returns the process output.
+fn sweep_cascade(out: &Path, args: &[&str]) -> std::process::Output {
+    cli()
+        .arg("sweep")
+        .arg(fixture("traces/cascade.jsonl"))
+        .arg("--config")
+        .arg(fixture("configs/cascade.json"))
+        .args(args)
+        .arg("--out")
+        .arg(out)
+        .output()
+        .unwrap()
+}
+
+/// The cascade sweep of the tests: both backends, one and two decode workers.
+fn sweep(out: &Path, args: &[&str]) -> std::process::Output {
+    sweep_cascade(out, &[&["--grid", "backend=vllm,sglang", "--grid", "decode=1,2"], args].concat())
+}
+
+fn names_in_json(o: &std::process::Output) -> Vec<String> {
+    assert!(o.status.success(), "sweep failed: {}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["runs"].as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap().to_string()).collect()
+}
+
+/// The names in a directory, sorted.
+fn listing(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Every file of a run directory, by name.
+fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read(&p).unwrap()))
+        .collect()
+}
+
+const CASCADE_RUNS: [&str; 4] = [
+    "000-backend=vllm,decode=1",
+    "001-backend=vllm,decode=2",
+    "002-backend=sglang,decode=1",
+    "003-backend=sglang,decode=2",
+];
+
+#[test]
+fn a_sweep_writes_what_lone_replays_write_whatever_the_job_count() {
+    let t = tempfile::tempdir().unwrap();
+    let (serial, parallel) = (t.path().join("jobs-1"), t.path().join("jobs-2"));
+    assert_eq!(names_in_json(&sweep(&serial, &["--jobs", "1", "--json"])), CASCADE_RUNS);
+    assert_eq!(names_in_json(&sweep(&parallel, &["--jobs", "2", "--json"])), CASCADE_RUNS);
+    assert_eq!(listing(&parallel), CASCADE_RUNS);
+    for name in CASCADE_RUNS {
+        // The flags a lone replay needs for the same run as the sweep's.
+        let (backend, decode) = name.split_once("-backend=").unwrap().1.split_once(",decode=").unwrap();
+        let alone = t.path().join(format!("alone-{name}"));
+        let report = cascade(backend, &alone, &["--decode", decode]);
+        let streams = |dir: &Path| {
+            let mut f = files(dir);
+            f.retain(|n, _| n.ends_with(".hlog"));
+            f
+        };
+        let expected = streams(&alone);
+        assert_eq!(expected.len(), 3 + decode.parse::<usize>().unwrap(), "{name}");
+        for dir in [&serial, &parallel] {
+            let run = dir.join(name);
+            assert!(streams(&run) == expected, "{}: logs differ from the lone replay's", run.display());
+            let swept: Value =
+                serde_json::from_slice(&std::fs::read(run.join("report.json")).unwrap()).unwrap();
+            for k in ["run_id", "completed_requests", "failed_requests", "mean_ttft_ms", "drained"] {
+                assert_eq!(swept[k], report[k], "{name}: report.json {k}");
+            }
+        }
+    }
+    // The table is compare's, and `compare DIR/*` reads the runs back.
+    let table = String::from_utf8(sweep(&t.path().join("table"), &[]).stdout).unwrap();
+    assert_eq!(row(&table, "backend")[1..], ["vllm", "vllm", "sglang", "sglang"]);
+    assert_eq!(row(&table, "shape")[1..], ["2P+1D", "2P+2D", "2P+1D", "2P+2D"]);
+    assert!(table.lines().last().unwrap().starts_with("sweep: 4 runs in "), "{table}");
+    let dirs: Vec<PathBuf> = CASCADE_RUNS.iter().map(|n| serial.join(n)).collect();
+    let dirs: Vec<&Path> = dirs.iter().map(PathBuf::as_path).collect();
+    let folded = compare_json(&dirs, &[]);
+    assert_eq!(folded["runs"][3]["backend"], "sglang");
+
+    // A second sweep into the same directory needs --force, and then replaces the runs.
+    let again = sweep(&serial, &["--seed", "3"]);
+    assert_eq!(again.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(stderr.contains("--force") && stderr.contains(CASCADE_RUNS[0]), "{stderr}");
+    assert_eq!(names_in_json(&sweep(&serial, &["--seed", "3", "--force", "--json"])), CASCADE_RUNS);
+    let reseeded: Value =
+        serde_json::from_slice(&std::fs::read(serial.join(CASCADE_RUNS[0]).join("report.json")).unwrap())
+            .unwrap();
+    assert_eq!(reseeded["seed"], 3);
+}
+
+#[test]
+fn shards_split_a_sweep_and_together_cover_every_run_once() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("sweep");
+    let first = names_in_json(&sweep(&out, &["--shard", "1/2", "--json"]));
+    let second = names_in_json(&sweep(&out, &["--shard", "2/2", "--json"]));
+    assert_eq!(first, [CASCADE_RUNS[0], CASCADE_RUNS[2]]);
+    assert_eq!(second, [CASCADE_RUNS[1], CASCADE_RUNS[3]]);
+    assert_eq!(listing(&out), CASCADE_RUNS);
+    // A shard run again is refused: its runs are there already.
+    assert_eq!(sweep(&out, &["--shard", "2/2"]).status.code(), Some(2));
+    // Another sweep's shard (here another seed) refuses the runs the first left too.
+    let other = sweep(&out, &["--shard", "1/2", "--seed", "9"]);
+    assert_eq!(other.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&other.stderr).contains("and 3 more"), "{other:?}");
+}
+
+#[test]
+fn bad_sweep_input_exits_2_naming_it_and_a_run_that_does_not_drain_exits_1() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("never");
+    for (args, needle) in [
+        (&["--grid", "nonsense=1"][..], "nonsense"),
+        (&["--grid", "decode=abc"], "decode=abc"),
+        (&["--grid", "decode=1", "--shard", "3/2"], "3/2"),
+        (&["--grid", "decode=1", "--jobs", "0"], "--jobs"),
+    ] {
+        let o = sweep_cascade(&out, args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        assert!(String::from_utf8_lossy(&o.stderr).contains(needle), "{args:?}: {o:?}");
+    }
+    assert!(!out.exists(), "nothing is written before every run is known to be valid");
+
+    let o = cli()
+        .arg("sweep")
+        .arg(fixture("traces/livelock.jsonl"))
+        .arg("--config")
+        .arg(fixture("configs/livelock.json"))
+        .args(["--prefill", "1", "--decode", "3", "--grid", "seed=1,2", "--out"])
+        .arg(t.path().join("livelock"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    for run in ["000-seed=1", "001-seed=2"] {
+        assert!(stderr.contains(&format!("run {run} did not drain")), "{stderr}");
+    }
+    assert!(stderr.contains("livelocked"), "{stderr}");
 }

@@ -310,7 +310,7 @@ fn names(paths: &[PathBuf]) -> Vec<String> {
         .collect()
 }
 
-fn fold_error(path: &Path, e: ProjectError) -> CliError {
+pub fn fold_error(path: &Path, e: ProjectError) -> CliError {
     match e {
         // Log errors already name the file (and the byte offset).
         ProjectError::Log(e) => CliError::new(2, e.to_string()),
@@ -349,23 +349,29 @@ pub fn run(args: &CompareArgs) -> Result<u8, CliError> {
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
+    print(args, &runs)
+}
+
+/// Prints runs already folded (`runs[i]` from `args.runs[i]`) as `run` does.
+pub fn print(args: &CompareArgs, runs: &[RunSummary]) -> Result<u8, CliError> {
+    let opts = CompareOptions { slo: args.slo.unwrap_or_default(), ..CompareOptions::default() };
     let names = names(&args.runs);
-    let reasons = top_reasons(&runs);
+    let reasons = top_reasons(runs);
     let figs: Vec<Vec<Figure>> = runs.iter().map(|r| figures(r, &reasons)).collect();
     if let Some(svg) = &args.svg {
-        std::fs::write(svg, render_svg(&runs, &names))
+        std::fs::write(svg, render_svg(runs, &names))
             .map_err(|e| CliError::new(2, format!("{}: {e}", svg.display())))?;
     }
     let mut out = Out::new();
     if args.json {
-        let v = to_json(&runs, &names, &figs, &opts.slo);
+        let v = to_json(runs, &names, &figs, &opts.slo);
         out.line(
             &serde_json::to_string_pretty(&v).map_err(|e| CliError::new(2, format!("encoding JSON: {e}")))?,
         )?;
     } else if args.csv {
-        out.line(to_csv(&runs, &names, &figs).trim_end_matches('\n'))?;
+        out.line(to_csv(runs, &names, &figs).trim_end_matches('\n'))?;
     } else {
-        out.line(&table(&runs, &names, &figs))?;
+        out.line(&table(runs, &names, &figs))?;
         let mut notes = Vec::new();
         if runs.len() > 1 {
             notes.push(format!(

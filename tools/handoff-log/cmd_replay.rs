@@ -14,7 +14,7 @@ use handoff_ledger::projections::{PerRequest, PerRequestSink};
 use handoff_ledger::router::RouterMode;
 use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter, IsTerminal, Read, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -22,6 +22,44 @@ use std::time::Instant;
 pub struct ReplayArgs {
     /// The trace: Mooncake JSONL or Azure 2023 CSV.
     pub trace: PathBuf,
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+    /// Trace format (default: from the extension or first line).
+    #[arg(long)]
+    pub trace_format: Option<TraceFormat>,
+    /// JSON configuration file; flags override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Directory for the run's fact streams (one `.hlog` per worker plus `router.hlog`).
+    #[arg(long, required_unless_present = "print_config")]
+    pub out: Option<PathBuf>,
+    /// Replace the streams of an earlier run in `--out`.
+    #[arg(long)]
+    pub force: bool,
+    /// Write the report as JSON (the reference mocker's key names).
+    #[arg(long)]
+    pub report_json: Option<PathBuf>,
+    /// Write one JSON line per request.
+    #[arg(long)]
+    pub per_request: Option<PathBuf>,
+    /// Print the report as JSON on stdout instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// Print the full effective configuration (the config file and flags over every default)
+    /// as JSON and exit without replaying; docs/config.md explains each key.
+    #[arg(long)]
+    pub print_config: bool,
+    /// Goodput objectives, ms: any of ttft_ms, itl_ms, tpot_ms, e2e_ms, e.g.
+    /// `ttft_ms=2000,itl_ms=50`. Goodput is the completed requests per second (over the run's
+    /// duration) that met every one, and the share of all requests that did. itl_ms and
+    /// tpot_ms are both checked against the request's mean inter-token gap (its TPOT).
+    #[arg(long, value_name = "KEY=MS,...")]
+    pub slo: Option<Slo>,
+}
+
+/// The cluster and run flags `replay` and `sweep` share; they override `--config`.
+#[derive(clap::Args)]
+pub struct ClusterArgs {
     /// Engine model: vllm (source-first) or sglang (destination-first). Default: vllm.
     #[arg(long, value_parser = parse_backend)]
     pub backend: Option<Backend>,
@@ -59,37 +97,48 @@ pub struct ReplayArgs {
     /// ignored. Without it, requests arrive at their timestamps.
     #[arg(long)]
     pub concurrency: Option<u32>,
-    /// Trace format (default: from the extension or first line).
-    #[arg(long)]
-    pub trace_format: Option<TraceFormat>,
-    /// JSON configuration file; flags override it.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// Directory for the run's fact streams (one `.hlog` per worker plus `router.hlog`).
-    #[arg(long, required_unless_present = "print_config")]
-    pub out: Option<PathBuf>,
-    /// Replace the streams of an earlier run in `--out`.
-    #[arg(long)]
-    pub force: bool,
-    /// Write the report as JSON (the reference mocker's key names).
-    #[arg(long)]
-    pub report_json: Option<PathBuf>,
-    /// Write one JSON line per request.
-    #[arg(long)]
-    pub per_request: Option<PathBuf>,
-    /// Print the report as JSON on stdout instead of tables.
-    #[arg(long)]
-    pub json: bool,
-    /// Print the full effective configuration (the config file and flags over every default)
-    /// as JSON and exit without replaying; docs/config.md explains each key.
-    #[arg(long)]
-    pub print_config: bool,
-    /// Goodput objectives, ms: any of ttft_ms, itl_ms, tpot_ms, e2e_ms, e.g.
-    /// `ttft_ms=2000,itl_ms=50`. Goodput is the completed requests per second (over the run's
-    /// duration) that met every one, and the share of all requests that did. itl_ms and
-    /// tpot_ms are both checked against the request's mean inter-token gap (its TPOT).
-    #[arg(long, value_name = "KEY=MS,...")]
-    pub slo: Option<Slo>,
+}
+
+impl ClusterArgs {
+    /// Applies the flags given to `cfg`, as each one documents.
+    pub fn apply(&self, cfg: &mut ReplayConfig) {
+        if let Some(b) = self.backend {
+            cfg.backend = b;
+        }
+        if self.policy.is_some() {
+            cfg.policy = self.policy;
+        }
+        if let Some(n) = self.workers {
+            cfg.workers = n;
+            cfg.prefill_workers = 0;
+            cfg.decode_workers = 0;
+        }
+        if let Some(n) = self.prefill {
+            cfg.prefill_workers = n;
+        }
+        if let Some(n) = self.decode {
+            cfg.decode_workers = n;
+        }
+        if let Some(m) = &self.router {
+            cfg.prefill_router = m.clone();
+            cfg.decode_router = m.clone();
+        }
+        if let Some(m) = &self.prefill_router {
+            cfg.prefill_router = m.clone();
+        }
+        if let Some(m) = &self.decode_router {
+            cfg.decode_router = m.clone();
+        }
+        if let Some(s) = self.seed {
+            cfg.seed = s;
+        }
+        if let Some(s) = self.speedup {
+            cfg.arrival_speedup = s;
+        }
+        if let Some(n) = self.concurrency {
+            cfg.load = handoff_ledger::adapters::replay::workload::LoadMode::Closed { concurrency: n };
+        }
+    }
 }
 
 fn parse_backend(s: &str) -> Result<Backend, String> {
@@ -128,45 +177,11 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         Some(p) => ReplayConfig::from_file(p)?,
         None => ReplayConfig::default(),
     };
-    if let Some(b) = a.backend {
-        cfg.backend = b;
-    }
-    if a.policy.is_some() {
-        cfg.policy = a.policy;
-    }
-    if let Some(n) = a.workers {
-        cfg.workers = n;
-        cfg.prefill_workers = 0;
-        cfg.decode_workers = 0;
-    }
-    if let Some(n) = a.prefill {
-        cfg.prefill_workers = n;
-    }
-    if let Some(n) = a.decode {
-        cfg.decode_workers = n;
-    }
-    if let Some(m) = &a.router {
-        cfg.prefill_router = m.clone();
-        cfg.decode_router = m.clone();
-    }
-    if let Some(m) = &a.prefill_router {
-        cfg.prefill_router = m.clone();
-    }
-    if let Some(m) = &a.decode_router {
-        cfg.decode_router = m.clone();
-    }
-    if let Some(s) = a.seed {
-        cfg.seed = s;
-    }
-    if let Some(s) = a.speedup {
-        cfg.arrival_speedup = s;
-    }
-    if let Some(n) = a.concurrency {
-        cfg.load = handoff_ledger::adapters::replay::workload::LoadMode::Closed { concurrency: n };
-    }
-    let shape_defaulted = a.prefill.is_none()
-        && a.decode.is_none()
-        && a.workers.is_none()
+    a.cluster.apply(&mut cfg);
+    let c = &a.cluster;
+    let shape_defaulted = c.prefill.is_none()
+        && c.decode.is_none()
+        && c.workers.is_none()
         && !cfg.is_disaggregated()
         && cfg.workers == ReplayConfig::default().workers
         && a.config.is_none();
@@ -186,18 +201,7 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
             }
         }
     }
-    let opts = TraceOptions { format: a.trace_format, speedup: cfg.arrival_speedup };
-    let trace_error = |e: std::io::Error| CliError::new(2, format!("{}: {e}", a.trace.display()));
-    let mut file = File::open(&a.trace).map_err(trace_error)?;
-    // The run id needs the trace's fingerprint before the first header is written; the prefix
-    // read for it is handed to the trace reader, so no byte is read twice.
-    let meta = file.metadata().map_err(trace_error)?;
-    let file_bytes = meta.is_file().then_some(meta.len());
-    let (trace_identity, prefix) =
-        TraceIdentity::read(&a.trace, &mut file, file_bytes).map_err(trace_error)?;
-    let reader: Box<dyn BufRead> =
-        Box::new(BufReader::with_capacity(1 << 20, std::io::Cursor::new(prefix).chain(file)));
-    let trace = TraceReader::new(reader, &a.trace, opts)?;
+    let (trace_identity, trace) = open_trace(&a.trace, a.trace_format, cfg.arrival_speedup)?;
 
     // Per-request lines stream out as requests end (from the log writer's thread); the first
     // write error is kept and reported, and the file is flushed once the run is over.
@@ -268,28 +272,7 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
             return Err(CliError::new(2, format!("writing per-request lines: {e}")));
         }
     }
-    let mut json = outcome.report.to_json();
-    if let Some(m) = json.as_object_mut() {
-        m.insert("wall_time_ms".into(), wall_ms.into());
-        m.insert("drained".into(), outcome.drained.into());
-        m.insert("events".into(), outcome.events.into());
-        m.insert("log_dir".into(), out_dir.display().to_string().into());
-        let w = &outcome.workload;
-        m.insert("sessions".into(), w.sessions_seen.into());
-        m.insert("session_turns_dropped".into(), w.turns_dropped.into());
-        if !outcome.faults.is_empty() {
-            m.insert("faults".into(), serde_json::to_value(&outcome.faults).unwrap_or_default());
-        }
-        for (k, v) in what_was_run(&outcome) {
-            m.insert(k.into(), v);
-        }
-        // The logs carry worker-seconds; GPUs per worker only the configuration knows.
-        m.insert("gpus_per_worker".into(), gpus_per_worker.into());
-        m.insert("gpu_hours".into(), crate::report::gpu_hours(&outcome.report, gpus_per_worker).into());
-        if !outcome.scaling.is_empty() {
-            m.insert("scaling".into(), serde_json::to_value(&outcome.scaling).unwrap_or_default());
-        }
-    }
+    let json = report_json(&outcome, wall_ms, &out_dir, gpus_per_worker);
     if let Some(p) = &a.report_json {
         let text = serde_json::to_string_pretty(&json).unwrap_or_default();
         std::fs::write(p, text + "\n").map_err(|e| CliError::new(2, format!("{}: {e}", p.display())))?;
@@ -371,6 +354,58 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         return Ok(1);
     }
     Ok(0)
+}
+
+/// Opens a trace for a replay: its identity (for the run id) and a reader that starts with the
+/// prefix read for it, so that no byte is read twice.
+pub fn open_trace(
+    path: &Path,
+    format: Option<TraceFormat>,
+    speedup: f64,
+) -> Result<(TraceIdentity, TraceReader<Box<dyn BufRead>>), CliError> {
+    let opts = TraceOptions { format, speedup };
+    let trace_error = |e: std::io::Error| CliError::new(2, format!("{}: {e}", path.display()));
+    let mut file = File::open(path).map_err(trace_error)?;
+    // The run id needs the trace's fingerprint before the first header is written.
+    let meta = file.metadata().map_err(trace_error)?;
+    let file_bytes = meta.is_file().then_some(meta.len());
+    let (identity, prefix) = TraceIdentity::read(path, &mut file, file_bytes).map_err(trace_error)?;
+    let reader: Box<dyn BufRead> =
+        Box::new(BufReader::with_capacity(1 << 20, std::io::Cursor::new(prefix).chain(file)));
+    Ok((identity, TraceReader::new(reader, path, opts)?))
+}
+
+/// The report JSON (`--report-json`, and `report.json` in each run of a sweep): the reference
+/// mocker's key names, then what was run and how the replay went.
+pub fn report_json(
+    outcome: &ReplayOutcome,
+    wall_ms: f64,
+    log_dir: &Path,
+    gpus_per_worker: u32,
+) -> serde_json::Value {
+    let mut json = outcome.report.to_json();
+    if let Some(m) = json.as_object_mut() {
+        m.insert("wall_time_ms".into(), wall_ms.into());
+        m.insert("drained".into(), outcome.drained.into());
+        m.insert("events".into(), outcome.events.into());
+        m.insert("log_dir".into(), log_dir.display().to_string().into());
+        let w = &outcome.workload;
+        m.insert("sessions".into(), w.sessions_seen.into());
+        m.insert("session_turns_dropped".into(), w.turns_dropped.into());
+        if !outcome.faults.is_empty() {
+            m.insert("faults".into(), serde_json::to_value(&outcome.faults).unwrap_or_default());
+        }
+        for (k, v) in what_was_run(outcome) {
+            m.insert(k.into(), v);
+        }
+        // The logs carry worker-seconds; GPUs per worker only the configuration knows.
+        m.insert("gpus_per_worker".into(), gpus_per_worker.into());
+        m.insert("gpu_hours".into(), crate::report::gpu_hours(&outcome.report, gpus_per_worker).into());
+        if !outcome.scaling.is_empty() {
+            m.insert("scaling".into(), serde_json::to_value(&outcome.scaling).unwrap_or_default());
+        }
+    }
+    json
 }
 
 /// What was run, for the report JSON: the run id, the cluster and the trace (key `trace_lines`

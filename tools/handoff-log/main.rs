@@ -8,6 +8,7 @@ mod cmd_inspect;
 mod cmd_project;
 mod cmd_replay;
 mod cmd_show;
+mod cmd_sweep;
 mod cmd_timeline;
 mod cmd_verify;
 mod out;
@@ -117,6 +118,11 @@ enum Command {
     /// folded from its logs, with every run after the first also as its difference from the
     /// first. Exit 0, or 2 naming an unusable run.
     Compare(cmd_compare::CompareArgs),
+    /// Replay a trace once per combination of grid values (`--grid decode=1,2`), several
+    /// replays at a time, each into its own run directory under `--out`; then print the
+    /// `compare` table of them. Exit 0 when every run drained, 1 naming a run that did not, 2
+    /// for unusable input or a run that stopped with an error.
+    Sweep(Box<cmd_sweep::SweepArgs>),
     /// Every worker's capacity snapshot, scheduler queues and router bookings at an instant
     /// (all records with at_ns <= T applied). Uses the run's index when present.
     At {
@@ -225,6 +231,7 @@ fn main() -> ExitCode {
             cmd_diff::run(&a, &b, json, timing_tolerance, strict_timing)
         }
         Command::Compare(args) => cmd_compare::run(&args),
+        Command::Sweep(args) => cmd_sweep::run(&args),
         Command::At { log, time, json } => cmd_at::run(&log, &time, json),
         Command::Index { log, json } => cmd_index::run(&log, json),
         Command::Completions { shell } => {
