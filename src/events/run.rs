@@ -655,6 +655,12 @@ impl RunWriter {
         for h in headers {
             run.declare(h)?;
         }
+        // Every stream's header reaches the disk before any record is buffered: a run killed at
+        // any later instant leaves each stream readable (at most a torn tail to cut).
+        let workers: Vec<WorkerId> = run.headers.keys().copied().collect();
+        for w in workers {
+            run.stream(w)?;
+        }
         Ok(run)
     }
 
@@ -703,17 +709,27 @@ impl RunWriter {
                 let Some(header) = self.headers.get(&worker) else {
                     return Err(LogError::UnknownWorker { path: self.dir.clone(), worker });
                 };
-                let w = StreamWriter::create_with_buffer(
+                let mut w = StreamWriter::create_with_buffer(
                     &self.dir.join(stream_file_name(worker)),
                     header,
                     RUN_STREAM_BUFFER_BYTES,
                 )?;
+                w.flush()?;
                 self.streams.insert(i, (worker, w));
                 i
             }
         };
         self.last = i;
         Ok(&mut self.streams[i].1)
+    }
+
+    /// Writes every stream's buffered records to its file (the replay does this on a time bound,
+    /// so a crash loses at most the last moments of the run).
+    pub fn flush_all(&mut self) -> Result<(), LogError> {
+        for (_, s) in &mut self.streams {
+            s.flush()?;
+        }
+        Ok(())
     }
 
     /// Appends to `worker`'s stream.

@@ -25,6 +25,10 @@ use std::thread::JoinHandle;
 const BATCH_FACTS: usize = 4096;
 /// Batches in flight between the loop and the writer (the queue's limit).
 const BATCHES_IN_FLIGHT: usize = 4;
+/// The writer flushes every stream at least this often (wall time): a replay killed mid-run
+/// loses at most this much of its log, and what did reach the disk ends at a record boundary
+/// or in one torn record.
+const FLUSH_EVERY: std::time::Duration = std::time::Duration::from_millis(50);
 
 type Batch = Vec<(WorkerId, u64, Fact)>;
 
@@ -45,6 +49,9 @@ pub struct FactSink {
     /// Emptied batches coming back, so steady state allocates nothing.
     recycled: Receiver<Batch>,
     writer: Option<JoinHandle<Result<MetricsReport, LogError>>>,
+    /// When the last hand-over left: a batch that fills slowly (a small or quiet run) is still
+    /// handed over within about `FLUSH_EVERY`, so the writer can put it on disk.
+    handed_over_at: std::time::Instant,
 }
 
 impl FactSink {
@@ -63,6 +70,7 @@ impl FactSink {
             to_writer: Some(to_writer),
             recycled,
             writer: Some(writer),
+            handed_over_at: std::time::Instant::now(),
         })
     }
 
@@ -70,7 +78,9 @@ impl FactSink {
     #[inline]
     pub fn push(&mut self, worker: WorkerId, at_ns: u64, fact: Fact) -> Result<(), ReplayError> {
         self.batch.push((worker, at_ns, fact));
-        if self.batch.len() >= BATCH_FACTS {
+        // The clock is read once per 256 facts, not per fact.
+        let due = self.batch.len() % 256 == 0 && self.handed_over_at.elapsed() >= FLUSH_EVERY;
+        if self.batch.len() >= BATCH_FACTS || due {
             self.hand_over()?;
         }
         Ok(())
@@ -83,6 +93,7 @@ impl FactSink {
     }
 
     fn hand_over(&mut self) -> Result<(), ReplayError> {
+        self.handed_over_at = std::time::Instant::now();
         let next = self.recycled.try_recv().unwrap_or_else(|_| Vec::with_capacity(BATCH_FACTS));
         let facts = std::mem::replace(&mut self.batch, next);
         let handover = Handover { streams: std::mem::take(&mut self.streams), facts };
@@ -120,7 +131,16 @@ impl FactSink {
 
 impl Drop for FactSink {
     fn drop(&mut self) {
-        // An abandoned run (an error in the loop) still gets what it wrote flushed.
+        // An abandoned run (an error in the loop) still gets what it wrote flushed, the facts
+        // not yet handed over included: a run that stopped on an error keeps its log.
+        if !self.batch.is_empty() || !self.streams.is_empty() {
+            let next = Vec::new();
+            let facts = std::mem::replace(&mut self.batch, next);
+            let handover = Handover { streams: std::mem::take(&mut self.streams), facts };
+            if let Some(tx) = self.to_writer.as_ref() {
+                let _ = tx.send(handover);
+            }
+        }
         self.to_writer = None;
         if let Some(h) = self.writer.take() {
             let _ = h.join();
@@ -134,6 +154,7 @@ fn write_batches(
     from_loop: Receiver<Handover>,
     to_loop: SyncSender<Batch>,
 ) -> Result<MetricsReport, LogError> {
+    let mut flushed_at = std::time::Instant::now();
     while let Ok(Handover { streams, facts: mut batch }) = from_loop.recv() {
         for header in streams {
             metrics.add_stream(&header);
@@ -145,6 +166,10 @@ fn write_batches(
         }
         // The loop may have enough spares already; then this one is simply dropped.
         let _ = to_loop.try_send(batch);
+        if flushed_at.elapsed() >= FLUSH_EVERY {
+            out.flush_all()?;
+            flushed_at = std::time::Instant::now();
+        }
     }
     out.finish()?;
     Ok(metrics.report())
