@@ -1,5 +1,7 @@
 //! A replay whose logs cannot be written stops with an error naming the file, whichever thread
 //! met it: facts are written on the log writer's thread, and its error must reach the caller.
+//! (Every starting stream is created, header on disk, before the run begins; a worker that joins
+//! mid-run gets its file then, which is where this test makes writing fail.)
 
 use handoff_ledger::adapters::replay::config::ReplayConfig;
 use handoff_ledger::adapters::replay::engine::{Replay, ReplayError};
@@ -16,10 +18,18 @@ fn a_log_that_cannot_be_written_stops_the_replay_with_the_file_named() {
         let out = dir.path().join("run");
         let reader: Box<dyn BufRead> = Box::new(BufReader::new(std::fs::File::open(&trace_path).unwrap()));
         let trace = TraceReader::new(reader, &trace_path, TraceOptions::default()).unwrap();
-        let cfg = ReplayConfig { backend, prefill_workers: 2, decode_workers: 2, ..ReplayConfig::default() };
+        // A decode worker joins at 1 s: its stream is created then, on the writer's thread.
+        let cfg: ReplayConfig = serde_json::from_value(serde_json::json!({
+            "backend": backend,
+            "prefill_workers": 2,
+            "decode_workers": 2,
+            "scale": [{"at_ms": 1000, "decode": 1}],
+        }))
+        .unwrap();
         let replay = Replay::new(cfg, trace, &out, None).unwrap();
-        // Stream files are created on first use: replace the run directory by a plain file, so
-        // creating them fails even for a privileged user.
+        // The starting workers' streams exist from the start (headers on disk): replace the run
+        // directory by a plain file, so creating the joining worker's stream fails even for a
+        // privileged user.
         std::fs::remove_dir_all(&out).unwrap();
         std::fs::write(&out, b"not a directory").unwrap();
         match replay.run() {
