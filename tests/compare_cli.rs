@@ -6,7 +6,9 @@
 //! how grids expand, that its runs are byte for byte the lone replays' whatever the job count,
 //! shards, and what it refuses.
 
-use assert_cmd::Command;
+mod e2e_support;
+
+use e2e_support::{cli, fixture, replay};
 use handoff_ledger::adapters::replay::config::ReplayConfig;
 use handoff_ledger::adapters::replay::sweep::{label, plan, Grid, Shard};
 use handoff_ledger::adapters::replay::transfer::TransferConfig;
@@ -15,31 +17,6 @@ use handoff_ledger::router::RouterMode;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-
-fn cli() -> Command {
-    Command::cargo_bin("handoff-log").unwrap()
-}
-
-fn fixture(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(rel)
-}
-
-/// Replays `trace` with `args` into `out`; returns the report JSON.
-fn replay(trace: &str, args: &[&str], out: &Path) -> Value {
-    let report = out.with_extension("report.json");
-    let o = cli()
-        .arg("replay")
-        .arg(fixture(trace))
-        .args(args)
-        .arg("--out")
-        .arg(out)
-        .arg("--report-json")
-        .arg(&report)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "replay failed: {}", String::from_utf8_lossy(&o.stderr));
-    serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap()
-}
 
 fn cascade(backend: &str, out: &Path, extra: &[&str]) -> Value {
     let config = fixture("configs/cascade.json");

@@ -1,7 +1,9 @@
 //! End-to-end replay tests: the binary on committed fixture traces, checked through the logs it
 //! writes (folded with the library's own projections).
 
-use assert_cmd::Command;
+mod e2e_support;
+
+use e2e_support::{cli, fixture, replay};
 use handoff_ledger::events::{Fact, MessageKind, RunReader, TerminalStatus};
 use handoff_ledger::ids::{EndReason, HandoffId, RequestId, Role, WorkerId};
 use handoff_ledger::projections::run::{project_capacity, project_handoffs};
@@ -9,36 +11,6 @@ use predicates::prelude::*;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-
-fn cli() -> Command {
-    Command::cargo_bin("handoff-log").unwrap()
-}
-
-fn fixture(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(rel)
-}
-
-/// Replays and returns the report JSON; panics with stderr on failure.
-fn replay(trace: &str, args: &[&str], out: &Path) -> Value {
-    let report = out.with_extension("report.json");
-    let o = cli()
-        .arg("replay")
-        .arg(fixture(trace))
-        .args(args)
-        .arg("--out")
-        .arg(out)
-        .arg("--report-json")
-        .arg(&report)
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "replay failed: {}\n{}",
-        String::from_utf8_lossy(&o.stderr),
-        String::from_utf8_lossy(&o.stdout)
-    );
-    serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap()
-}
 
 /// Every record of a run as (worker, at_ns, fact), in merge order.
 fn records(run: &Path) -> Vec<(WorkerId, u64, Fact)> {
@@ -872,61 +844,29 @@ fn numbers_that_would_overflow_the_clock_or_the_machine_are_refused_by_name() {
         "{\"timestamp\":0,\"input_length\":10,\"output_length\":2}\n{\"timestamp\":2e13,\"input_length\":10,\"output_length\":2}\n",
     )
     .unwrap();
-    let cascade = fixture("traces/cascade.jsonl");
-    let config = |name: &str, text: &str| {
+    let cascade = fixture("traces/cascade.jsonl").display().to_string();
+    // The cascade trace under a configuration file holding `text`.
+    let with_config = |name: &str, text: &str| {
         let p = t.path().join(name);
         std::fs::write(&p, text).unwrap();
-        p
+        vec![cascade.clone(), "--config".into(), p.display().to_string()]
     };
+    let flags =
+        |extra: &[&str]| [vec![cascade.clone()], extra.iter().map(|a| a.to_string()).collect()].concat();
     let cases: Vec<(Vec<String>, &str)> = vec![
         (vec![far.display().to_string()], "far.jsonl:2: timestamp"),
-        (vec![cascade.display().to_string(), "--speedup".into(), "1e-12".into()], "cascade.jsonl:2"),
+        (flags(&["--speedup", "1e-12"]), "cascade.jsonl:2"),
+        (with_config("lease.json", r#"{"lease_ms":18446744073709551}"#), "lease_ms"),
+        (with_config("blocks.json", r#"{"vllm":{"num_gpu_blocks":4294967294}}"#), "num_gpu_blocks"),
         (
-            vec![
-                cascade.display().to_string(),
-                "--config".into(),
-                config("lease.json", r#"{"lease_ms":18446744073709551}"#).display().to_string(),
-            ],
-            "lease_ms",
-        ),
-        (
-            vec![
-                cascade.display().to_string(),
-                "--config".into(),
-                config("blocks.json", r#"{"vllm":{"num_gpu_blocks":4294967294}}"#).display().to_string(),
-            ],
-            "num_gpu_blocks",
-        ),
-        (
-            vec![
-                cascade.display().to_string(),
-                "--config".into(),
-                config("pages.json", r#"{"backend":"Sglang","sglang":{"total_pages":2147483647}}"#)
-                    .display()
-                    .to_string(),
-            ],
+            with_config("pages.json", r#"{"backend":"Sglang","sglang":{"total_pages":2147483647}}"#),
             "total_pages",
         ),
         (
-            vec![
-                cascade.display().to_string(),
-                "--config".into(),
-                config("bw.json", r#"{"transfer":{"mode":"bandwidth","bandwidth_gbps":1e-300}}"#)
-                    .display()
-                    .to_string(),
-            ],
+            with_config("bw.json", r#"{"transfer":{"mode":"bandwidth","bandwidth_gbps":1e-300}}"#),
             "bandwidth_gbps",
         ),
-        (
-            vec![
-                cascade.display().to_string(),
-                "--prefill".into(),
-                "5000".into(),
-                "--decode".into(),
-                "1".into(),
-            ],
-            "workers",
-        ),
+        (flags(&["--prefill", "5000", "--decode", "1"]), "workers"),
     ];
     for (args, needle) in cases {
         let o = cli()

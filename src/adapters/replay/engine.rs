@@ -904,12 +904,8 @@ impl<'a> Replay<'a> {
     /// Queues an `Arrival` for the workload's next due request, unless one is queued for that
     /// instant or earlier already.
     fn arm_arrival(&mut self) {
-        let Some(due) = self.workload.next_due_ns() else { return };
-        let at = due.max(self.now_ns);
-        if self.arrival_armed_ns.map_or(true, |armed| at < armed) {
-            self.arrival_armed_ns = Some(at);
-            self.push(at, Ev::Arrival);
-        }
+        let due = self.workload.next_due_ns();
+        arm(&mut self.queue, &mut self.arrival_armed_ns, self.now_ns, due, Ev::Arrival);
     }
 
     fn on_arrival(&mut self) -> Result<(), ReplayError> {
@@ -1592,12 +1588,8 @@ impl<'a> Replay<'a> {
     }
 
     fn arm_transfer_tick(&mut self) {
-        let Some(at) = self.contention.as_ref().and_then(|m| m.next_event_ns()) else { return };
-        let at = at.max(self.now_ns);
-        if self.tick_armed_ns.map_or(true, |armed| at < armed) {
-            self.tick_armed_ns = Some(at);
-            self.push(at, Ev::TransferTick);
-        }
+        let due = self.contention.as_ref().and_then(|m| m.next_event_ns());
+        arm(&mut self.queue, &mut self.tick_armed_ns, self.now_ns, due, Ev::TransferTick);
     }
 
     fn on_transfer_tick(&mut self) -> Result<(), ReplayError> {
@@ -1969,6 +1961,18 @@ fn make_core(w: WorkerId, cfg: &ReplayConfig) -> Result<Box<dyn EngineCore>, Rep
                 .map_err(|e| ConfigError::Invalid(format!("sglang: {e}")))?,
         ),
     })
+}
+
+/// Queues `ev` for `due` (not before `now_ns`) unless one is queued for that instant or earlier
+/// already (`armed`): an event that wakes a component whose next instant keeps moving (the
+/// workload, the contention model) is queued once per instant, not once per change.
+fn arm(queue: &mut EventQueue<Ev>, armed: &mut Option<u64>, now_ns: u64, due: Option<u64>, ev: Ev) {
+    let Some(due) = due else { return };
+    let at = due.max(now_ns);
+    if armed.map_or(true, |a| at < a) {
+        *armed = Some(at);
+        queue.push(at, ev);
+    }
 }
 
 fn header(
