@@ -1309,13 +1309,8 @@ impl<'a> Replay<'a> {
     /// lease, reservation or bootstrap expiry can still free anything), the run stops and
     /// reports it as stuck.
     fn note_preemption(&mut self, slot: usize, request: RequestId, at_ns: u64) {
-        let limit_ns = self
-            .cfg
-            .lease_ms
-            .max(self.cfg.reservation_timeout_ms)
-            .max(self.cfg.bootstrap_timeout_ms)
-            .saturating_add(1_000)
-            .saturating_mul(NS_PER_MS);
+        // The same bound as the no-progress guard's: longer than every lifecycle timeout.
+        let limit_ns = self.progress_limit_ns;
         let sl = &mut self.slots[slot];
         let s = match &mut sl.preemptions {
             Some(s) if s.request == request => s,
