@@ -329,13 +329,15 @@ impl VllmCore {
             return;
         }
         let bs = self.bs();
-        // Most decode steps fill no block: check before taking the request out of the map
-        // (block `hashed` is full once `computed` reaches its end).
-        match self.seqs.get(&id) {
-            Some(s) if s.fills_block(bs) => {}
-            _ => return,
+        // The sequence is updated in place (the pool and the map are different fields): taking
+        // it out of the map and putting it back cost two hash lookups and two moves per call.
+        let Some(s) = self.seqs.get_mut(&id) else { return };
+        // Most decode steps fill no block (block `hashed` is full once `computed` reaches its end).
+        if !s.fills_block(bs) {
+            return;
         }
-        let Some(mut s) = self.seqs.remove(&id) else { return };
+        let pool = &mut self.pool;
+        let mut error: Option<String> = None;
         let full = ((s.computed / bs) as usize).min(s.blocks.len());
         let mut run: Option<(Option<BlockHash>, Vec<BlockHash>)> = None;
         // Prompt hashes are known ahead: prefetch buckets, then chain heads, a few blocks ahead.
@@ -343,15 +345,15 @@ impl VllmCore {
         const CHAIN_AHEAD: usize = 12;
         let known = full.min(s.hashes.len());
         for b in s.hashed..(s.hashed + BUCKET_AHEAD).min(known) {
-            self.pool.prefetch_bucket(s.blocks[b], s.hashes[b]);
+            pool.prefetch_bucket(s.blocks[b], s.hashes[b]);
         }
         while s.hashed < full {
             let b = s.hashed;
             if b + BUCKET_AHEAD < known {
-                self.pool.prefetch_bucket(s.blocks[b + BUCKET_AHEAD], s.hashes[b + BUCKET_AHEAD]);
+                pool.prefetch_bucket(s.blocks[b + BUCKET_AHEAD], s.hashes[b + BUCKET_AHEAD]);
             }
             if b + CHAIN_AHEAD < known {
-                self.pool.prefetch_chain(s.hashes[b + CHAIN_AHEAD]);
+                pool.prefetch_chain(s.hashes[b + CHAIN_AHEAD]);
             }
             if s.hashes.len() <= b {
                 let parent = if b == 0 { ROOT_HASH } else { s.hashes[b - 1] };
@@ -359,7 +361,7 @@ impl VllmCore {
             }
             let h = s.hashes[b];
             let blk = s.blocks[b];
-            match self.pool.set_hash(blk, h) {
+            match pool.set_hash(blk, h) {
                 Ok(None) => {
                     let parent = if b == 0 { None } else { Some(s.hashes[b - 1]) };
                     // Sized for the rest of the full blocks: the run leaves with its fact,
@@ -368,22 +370,27 @@ impl VllmCore {
                 }
                 Ok(Some(canonical)) => {
                     // One physical block per hash: keep the canonical one, drop our copy.
-                    self.pool.acquire(canonical, Owner::Active);
-                    let r = self.pool.release(blk, Owner::Active);
-                    self.note_err(r);
+                    pool.acquire(canonical, Owner::Active);
+                    if let Err(e) = pool.release(blk, Owner::Active) {
+                        error.get_or_insert(e.to_string());
+                    }
                     s.blocks[b] = canonical;
                     if let Some(r) = run.take() {
                         runs.push(r);
                     }
                 }
-                Err(e) => self.note_err::<_>(Err(e)),
+                Err(e) => {
+                    error.get_or_insert(e.to_string());
+                }
             }
             s.hashed += 1;
         }
         if let Some(r) = run.take() {
             runs.push(r);
         }
-        self.seqs.insert(id, s);
+        if let Some(e) = error {
+            self.note_err::<String>(Err(e));
+        }
     }
 
     #[inline]
