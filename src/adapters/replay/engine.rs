@@ -239,6 +239,22 @@ struct Guard {
     first_token_ns: Option<u64>,
 }
 
+impl Guard {
+    /// A request that arrived at `arrival_ns` and was booked on prefill slot `prefill`.
+    fn new(request: Request, handoff: Option<HandoffId>, prefill: usize, arrival_ns: u64) -> Self {
+        Guard {
+            request,
+            handoff,
+            prefill: Some(prefill),
+            decode: None,
+            activated: false,
+            fail_status: None,
+            arrival_ns,
+            first_token_ns: None,
+        }
+    }
+}
+
 /// What a finished replay hands back.
 pub struct ReplayOutcome {
     pub report: MetricsReport,
@@ -945,17 +961,7 @@ impl<'a> Replay<'a> {
         if self.policy == HandoffPolicy::Disabled && self.cfg.is_disaggregated() {
             // The behaviour before the lifecycle: a one-token prefill that frees its KV as it
             // finishes; decode follows (see `prefill_finished_unpinned`).
-            let guard = Guard {
-                request: request.clone(),
-                handoff: None,
-                prefill: Some(p_slot),
-                decode: None,
-                activated: false,
-                fail_status: None,
-                arrival_ns: now,
-                first_token_ns: None,
-            };
-            self.guards.insert(id, guard);
+            self.guards.insert(id, Guard::new(request.clone(), None, p_slot, now));
             let prefill = Request { output_tokens: 1, ..request };
             self.push(now, Ev::Command { slot: p_slot, cmd: Cmd::Submit(prefill), then: Vec::new() });
             return Ok(());
@@ -967,19 +973,8 @@ impl<'a> Replay<'a> {
                 .book_decode(id, p, total_blocks)
                 .map_err(|e| ReplayError::Engine(e.to_string()))?;
             self.emit_router(now, booked)?;
-            self.guards.insert(
-                id,
-                Guard {
-                    request: request.clone(),
-                    handoff: None,
-                    prefill: Some(p_slot),
-                    decode: Some(p_slot),
-                    activated: false,
-                    fail_status: None,
-                    arrival_ns: now,
-                    first_token_ns: None,
-                },
-            );
+            let guard = Guard { decode: Some(p_slot), ..Guard::new(request.clone(), None, p_slot, now) };
+            self.guards.insert(id, guard);
             self.push(now, Ev::Command { slot: p_slot, cmd: Cmd::Submit(request), then: Vec::new() });
             return Ok(());
         }
@@ -989,16 +984,7 @@ impl<'a> Replay<'a> {
             context_tokens: request.input_tokens,
             max_output_tokens: request.output_tokens,
         };
-        let mut guard = Guard {
-            request: request.clone(),
-            handoff: Some(handoff),
-            prefill: Some(p_slot),
-            decode: None,
-            activated: false,
-            fail_status: None,
-            arrival_ns: now,
-            first_token_ns: None,
-        };
+        let mut guard = Guard::new(request.clone(), Some(handoff), p_slot, now);
         let mut dest = None;
         if self.policy == HandoffPolicy::DestinationFirst {
             // SGLang: the decode is chosen (and booked) together with the prefill.
