@@ -1481,3 +1481,19 @@ fn a_replay_killed_at_any_instant_leaves_streams_that_recover_and_verify() {
     let latest = kept.iter().max_by_key(|(d, _)| *d).unwrap();
     assert!(latest.1 > 0, "{kept:?}");
 }
+
+#[test]
+fn recover_removes_an_empty_stream_and_names_it() {
+    // A crash right after a stream file was created, before its header was written, leaves it
+    // empty: recover takes it out (there is nothing in it), and the run reads again.
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    replay("traces/mooncake-200.jsonl", SMALL, &out);
+    std::fs::write(out.join("decode-7.hlog"), b"").unwrap();
+    assert_eq!(cli().arg("verify").arg(&out).output().unwrap().status.code(), Some(1));
+    let o = cli().arg("recover").arg(&out).output().unwrap();
+    assert!(o.status.success());
+    assert!(String::from_utf8_lossy(&o.stdout).contains("decode-7.hlog: removed an empty stream"));
+    assert!(!out.join("decode-7.hlog").exists());
+    cli().arg("verify").arg(&out).assert().success();
+}

@@ -503,14 +503,32 @@ pub fn verify_run(path: impl AsRef<Path>) -> Result<RunSummary, LogError> {
 /// Reads a whole run (any layout), validating it, then truncates every torn tail found. If any
 /// other damage is found nothing is written. Returns what was cut.
 pub fn recover_run(path: impl AsRef<Path>) -> Result<Vec<(PathBuf, TornTail)>, LogError> {
-    let mut run = RunReader::open(path)?;
+    let path = path.as_ref();
+    // An empty stream file is a stream torn before its header reached the disk (a crash right
+    // after the file was created): there is nothing in it to keep, so it goes, reported as a
+    // cut of zero bytes at offset 0. (Readers then name the worker if other streams mention it.)
+    let mut removed = Vec::new();
+    if path.is_dir() {
+        for entry in fs::read_dir(path).map_err(|e| LogError::io(path, e))? {
+            let p = entry.map_err(|e| LogError::io(path, e))?.path();
+            let empty = fs::metadata(&p).map(|m| m.is_file() && m.len() == 0).unwrap_or(false);
+            if empty && p.extension().and_then(|e| e.to_str()) == Some(STREAM_EXTENSION) {
+                fs::remove_file(&p).map_err(|e| LogError::io(&p, e))?;
+                removed.push((p, TornTail { offset: 0, bytes: 0 }));
+            }
+        }
+        removed.sort_by(|a, b| a.0.cmp(&b.0));
+    }
+    // Framing only: a run missing a stream is still recovered as far as it goes.
+    let mut run = RunReader::open(path)?.allow_missing_peers();
     while run.next()?.is_some() {}
     let torn = run.torn_tails();
     drop(run);
     for (p, t) in &torn {
         truncate(p, t.offset)?;
     }
-    Ok(torn)
+    removed.extend(torn);
+    Ok(removed)
 }
 
 /// What [`write_merged`] wrote.

@@ -127,6 +127,13 @@ pub fn recover(run: &std::path::Path, json_out: bool) -> Result<u8, CliError> {
             out.line(&format!("{}: no torn tail; nothing written", run.display()))?;
         }
         for (p, t) in &cut {
+            if t.offset == 0 && t.bytes == 0 {
+                out.line(&format!(
+                    "{}: removed an empty stream (its header never reached the disk)",
+                    p.display()
+                ))?;
+                continue;
+            }
             out.line(&format!(
                 "{}: truncated {} bytes of a torn record at byte offset {}",
                 p.display(),
