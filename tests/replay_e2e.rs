@@ -547,6 +547,13 @@ fn replay_per_request(trace: &Path, args: &[&str], out: &Path) -> (Value, Vec<Va
     (report, lines)
 }
 
+/// The vLLM cascade replay (fixture trace and config) with its per-request lines.
+fn cascade_vllm_per_request(dir: &Path) -> (Value, Vec<Value>) {
+    let cfg = fixture("configs/cascade.json");
+    let args = ["--backend", "vllm", "--config", cfg.to_str().unwrap()];
+    replay_per_request(&fixture("traces/cascade.jsonl"), &args, &dir.join("vllm"))
+}
+
 fn f(v: &Value, key: &str) -> f64 {
     v[key].as_f64().unwrap_or_else(|| panic!("{key} missing in {v}"))
 }
@@ -630,13 +637,7 @@ fn itl_includes_preemption_stalls_and_reports_them_apart() {
     // The cascade fixture preempts decodes under vLLM: a request's gap between two tokens can
     // be minutes. That gap is an inter-token latency, and is also reported as a stall.
     let t = tempfile::tempdir().unwrap();
-    let cfg = fixture("configs/cascade.json");
-    let out = t.path().join("vllm");
-    let (report, rows) = replay_per_request(
-        &fixture("traces/cascade.jsonl"),
-        &["--backend", "vllm", "--config", cfg.to_str().unwrap()],
-        &out,
-    );
+    let (report, rows) = cascade_vllm_per_request(t.path());
     assert!(f(&report, "num_stalls") > 0.0, "{report}");
     assert!(f(&report, "max_stall_ms") > 60_000.0, "{report}");
     assert!(f(&report, "max_itl_ms") >= f(&report, "max_stall_ms"), "{report}");
@@ -650,13 +651,7 @@ fn itl_includes_preemption_stalls_and_reports_them_apart() {
 #[test]
 fn per_request_records_are_complete_in_arrival_order_and_say_why_they_ended() {
     let t = tempfile::tempdir().unwrap();
-    let cfg = fixture("configs/cascade.json");
-    let out = t.path().join("vllm");
-    let (report, rows) = replay_per_request(
-        &fixture("traces/cascade.jsonl"),
-        &["--backend", "vllm", "--config", cfg.to_str().unwrap()],
-        &out,
-    );
+    let (report, rows) = cascade_vllm_per_request(t.path());
     assert_eq!(rows.len() as u64, report["num_requests"].as_u64().unwrap());
     let arrivals: Vec<f64> = rows.iter().map(|r| f(r, "arrival_time_ms")).collect();
     assert!(arrivals.windows(2).all(|w| w[0] <= w[1]), "lines in arrival order");

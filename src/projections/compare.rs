@@ -387,18 +387,7 @@ pub fn render_svg(runs: &[RunSummary], names: &[String]) -> String {
             x0 - 6.0,
             bottom
         );
-        let mut t = 0.0;
-        while t <= span + step * 1e-9 {
-            let x = x0 + (t / span).min(1.0) * (x1 - x0);
-            let _ = write!(
-                svg,
-                r##"<line x1="{x:.2}" y1="{bottom:.2}" x2="{x:.2}" y2="{:.2}" stroke="#8a9099"/><text x="{x:.2}" y="{:.2}" text-anchor="middle" fill="#555" font-size="10">{}</text>"##,
-                bottom + 4.0,
-                bottom + 15.0,
-                fmt_tick(t, step)
-            );
-            t += step;
-        }
+        x_ticks(&mut svg, span, step, bottom, 15.0, |t| x0 + (t / span).min(1.0) * (x1 - x0));
         let _ = write!(
             svg,
             r##"<text x="{x1:.2}" y="{:.2}" text-anchor="end" fill="#555" font-size="10">time since the run's first record ({unit}) · <tspan fill="{PINNED_COLOR}">■ pinned source</tspan> <tspan fill="{RESERVED_COLOR}">■ reserved destination</tspan></text>"##,
@@ -461,18 +450,7 @@ fn cdf_panel(
     svg.push_str("</g>");
     let span = top_ms / div;
     let step = nice_step(span, 5.0);
-    let mut t = 0.0;
-    while t <= span + step * 1e-9 {
-        let x = x_of(t * div);
-        let _ = write!(
-            svg,
-            r##"<line x1="{x:.2}" y1="{bottom:.2}" x2="{x:.2}" y2="{:.2}" stroke="#8a9099"/><text x="{x:.2}" y="{:.2}" text-anchor="middle" fill="#555" font-size="10">{}</text>"##,
-            bottom + 4.0,
-            bottom + 16.0,
-            fmt_tick(t, step)
-        );
-        t += step;
-    }
+    x_ticks(svg, span, step, bottom, 16.0, |t| x_of(t * div));
     let _ = write!(
         svg,
         r##"<text x="{:.2}" y="{:.2}" text-anchor="middle" fill="#555">{} ({unit}) · share of completed requests at or below</text>"##,
@@ -501,5 +479,22 @@ mod tests {
         assert_eq!(back, d);
         let other: RunDescription = serde_json::from_str(r#"{"engine":"vllm"}"#).unwrap();
         assert_eq!(other, RunDescription::default());
+    }
+}
+
+/// Tick marks and labels every `step` along an x axis spanning `span` (axis units) at `bottom`;
+/// `x_of` places a value, labels sit `label_dy` below the axis.
+fn x_ticks(svg: &mut String, span: f64, step: f64, bottom: f64, label_dy: f64, x_of: impl Fn(f64) -> f64) {
+    let mut t = 0.0;
+    while t <= span + step * 1e-9 {
+        let x = x_of(t);
+        let _ = write!(
+            svg,
+            r##"<line x1="{x:.2}" y1="{bottom:.2}" x2="{x:.2}" y2="{:.2}" stroke="#8a9099"/><text x="{x:.2}" y="{:.2}" text-anchor="middle" fill="#555" font-size="10">{}</text>"##,
+            bottom + 4.0,
+            bottom + label_dy,
+            fmt_tick(t, step)
+        );
+        t += step;
     }
 }
