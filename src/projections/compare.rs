@@ -460,6 +460,23 @@ fn cdf_panel(
     );
 }
 
+/// Tick marks and labels every `step` along an x axis spanning `span` (axis units) at `bottom`;
+/// `x_of` places a value, labels sit `label_dy` below the axis.
+fn x_ticks(svg: &mut String, span: f64, step: f64, bottom: f64, label_dy: f64, x_of: impl Fn(f64) -> f64) {
+    let mut t = 0.0;
+    while t <= span + step * 1e-9 {
+        let x = x_of(t);
+        let _ = write!(
+            svg,
+            r##"<line x1="{x:.2}" y1="{bottom:.2}" x2="{x:.2}" y2="{:.2}" stroke="#8a9099"/><text x="{x:.2}" y="{:.2}" text-anchor="middle" fill="#555" font-size="10">{}</text>"##,
+            bottom + 4.0,
+            bottom + label_dy,
+            fmt_tick(t, step)
+        );
+        t += step;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -479,22 +496,5 @@ mod tests {
         assert_eq!(back, d);
         let other: RunDescription = serde_json::from_str(r#"{"engine":"vllm"}"#).unwrap();
         assert_eq!(other, RunDescription::default());
-    }
-}
-
-/// Tick marks and labels every `step` along an x axis spanning `span` (axis units) at `bottom`;
-/// `x_of` places a value, labels sit `label_dy` below the axis.
-fn x_ticks(svg: &mut String, span: f64, step: f64, bottom: f64, label_dy: f64, x_of: impl Fn(f64) -> f64) {
-    let mut t = 0.0;
-    while t <= span + step * 1e-9 {
-        let x = x_of(t);
-        let _ = write!(
-            svg,
-            r##"<line x1="{x:.2}" y1="{bottom:.2}" x2="{x:.2}" y2="{:.2}" stroke="#8a9099"/><text x="{x:.2}" y="{:.2}" text-anchor="middle" fill="#555" font-size="10">{}</text>"##,
-            bottom + 4.0,
-            bottom + label_dy,
-            fmt_tick(t, step)
-        );
-        t += step;
     }
 }
