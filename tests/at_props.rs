@@ -34,8 +34,8 @@ fn fixture() -> &'static Fixture {
         generate(&run, &GenConfig { requests: 400, ..GenConfig::default() });
         let merged = dir.path().join("run.hrun");
         write_merged(&run, &merged).unwrap();
-        let run_index = RunIndex::build_every(&run, 97).unwrap();
-        let merged_index = RunIndex::build_every(&merged, 211).unwrap();
+        let run_index = RunIndex::build_every::<StreamFold>(&run, 97).unwrap();
+        let merged_index = RunIndex::build_every::<StreamFold>(&merged, 211).unwrap();
         let mut r = RunReader::open(&run).unwrap();
         let mut last = 0;
         while let Some((_, rec)) = r.next().unwrap() {

@@ -4,24 +4,10 @@
 
 use super::codec;
 use super::error::LogError;
+use super::layout::{FRAME_PREFIX_BYTES, MAX_HEADER_BYTES, MAX_RECORD_BYTES, PRELUDE_BYTES};
 use super::StreamHeader;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
-
-/// The largest record body (bytes after the checksum) a reader accepts and a writer produces.
-/// A length field above this is damage, not a record: no fact comes near it (the biggest, a
-/// `KvStored` with its block hashes, is about 9 bytes per block), and refusing it keeps a damaged
-/// length from making the reader allocate gigabytes.
-pub const MAX_RECORD_BYTES: usize = 16 * 1024 * 1024;
-
-/// The largest encoded [`StreamHeader`] accepted (it carries the engine configuration as JSON).
-pub const MAX_HEADER_BYTES: usize = 16 * 1024 * 1024;
-
-/// Bytes of the record frame before the body: `len` (u32 LE) and `crc` (u32 LE).
-pub(crate) const FRAME_PREFIX_BYTES: usize = 8;
-
-/// Bytes of a prelude: magic(8) + version(u16) + codec id(u16).
-pub(crate) const PRELUDE_BYTES: usize = 12;
 
 /// A record cut off by the end of the file: everything before `offset` is sound.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -123,6 +109,21 @@ pub(crate) fn write_header_block(
     let crc = crc32fast::hash(&out[start + 8..]);
     out[start..start + 4].copy_from_slice(&(len as u32).to_le_bytes());
     out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+    Ok(())
+}
+
+/// Fills in the `len` and `crc` of the record frame in `frame` (prefix placeholder, then the
+/// body), refusing a body over [`MAX_RECORD_BYTES`]. `crc` is a fresh hasher (cloning one is
+/// cheaper than `crc32fast::hash`, which detects CPU features on every call).
+pub(crate) fn seal_record(frame: &mut [u8], mut crc: crc32fast::Hasher, path: &Path) -> Result<(), LogError> {
+    let len = frame.len() - FRAME_PREFIX_BYTES;
+    if len > MAX_RECORD_BYTES {
+        return Err(LogError::RecordTooLarge { path: path.into(), bytes: len, max: MAX_RECORD_BYTES });
+    }
+    crc.update(&frame[FRAME_PREFIX_BYTES..]);
+    let crc = crc.finalize();
+    frame[0..4].copy_from_slice(&(len as u32).to_le_bytes());
+    frame[4..8].copy_from_slice(&crc.to_le_bytes());
     Ok(())
 }
 

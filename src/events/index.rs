@@ -23,21 +23,21 @@
 
 use super::codec;
 use super::error::LogError;
-use super::frame::{self, FrameReader};
-use super::reader::fixed8;
-use super::run::{RunKind, RunReader, RUN_FORMAT_VERSION, RUN_MAGIC};
-use super::writer::{FILE_BUFFER_BYTES, STREAM_RECORD_FIXED_BYTES};
-use super::{Fact, Record, StreamHeader, FORMAT_VERSION, MAGIC};
+use super::layout::fixed8;
+// Re-exported for callers that predate the layout and segment modules.
+pub use super::layout::{RunLayout, Segment, SegmentKind};
+pub use super::segment::{read_record_at, records_around, SegmentReader};
+use super::{Record, StreamHeader};
 use crate::ids::{HandoffId, RequestId, WorkerId};
-use crate::projections::at::StreamFold;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs::{self, File};
-use std::io::{BufReader, Read, Seek, SeekFrom};
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 /// Bumped whenever what the index stores changes; an index of another version is rebuilt.
-pub const INDEX_FORMAT: u32 = 3;
+pub const INDEX_FORMAT: u32 = 4;
 /// Records of a segment between two checkpoints: `at` reads at most this many records per
 /// segment after loading a checkpoint.
 pub const CHECKPOINT_EVERY: u64 = 16_384;
@@ -47,9 +47,6 @@ pub const TIME_MARK_EVERY: u64 = 4_096;
 /// and flush (`tag id flush_no → packed list`): memory stays bounded while building and sled
 /// holds about one key per id instead of one per record.
 const FLUSH_POSTINGS: usize = 1_000_000;
-
-/// Bytes of a merged record body before the fact: stream(u16) + seq(u64) + at_ns(u64).
-const MERGED_RECORD_FIXED_BYTES: usize = 2 + STREAM_RECORD_FIXED_BYTES;
 
 /// Errors of the index layer.
 #[derive(Debug, thiserror::Error)]
@@ -69,286 +66,19 @@ fn db_err(path: &Path, e: impl std::fmt::Display) -> IndexError {
     IndexError::Db { path: path.to_path_buf(), reason: e.to_string() }
 }
 
-/// How a segment's records are framed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum SegmentKind {
-    /// A per-worker stream file: every record belongs to one stream.
-    Stream,
-    /// A merged run file: each record names its stream.
-    Merged,
-}
-
-/// One file of a run and the streams whose records it holds.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Segment {
-    pub path: PathBuf,
-    pub kind: SegmentKind,
-    /// Indexes into [`RunLayout::workers`]; for a stream file, exactly one.
-    pub streams: Vec<usize>,
-    /// Byte offset of the first record (after the header(s)).
-    pub data_start: u64,
-}
-
-/// The files and streams of a run, found without reading its records.
-#[derive(Clone, Debug)]
-pub struct RunLayout {
-    pub run: PathBuf,
-    pub kind: RunKind,
-    pub headers: Vec<StreamHeader>,
-    pub segments: Vec<Segment>,
-}
-
-impl RunLayout {
-    /// Opens the run's headers (validating them as [`RunReader::open`] does) and locates every
-    /// file's first record.
-    pub fn open(run: impl AsRef<Path>) -> Result<Self, LogError> {
-        let run = run.as_ref();
-        let reader = RunReader::open(run)?;
-        let headers = reader.headers().to_vec();
-        let kind = reader.kind();
-        let mut segments = Vec::new();
-        match kind {
-            RunKind::Merged => segments.push(Segment {
-                path: run.to_path_buf(),
-                kind: SegmentKind::Merged,
-                streams: (0..headers.len()).collect(),
-                data_start: merged_data_start(run, headers.len())?,
-            }),
-            RunKind::Directory | RunKind::Stream => {
-                for (i, p) in reader.stream_paths().iter().enumerate() {
-                    segments.push(Segment {
-                        path: p.clone(),
-                        kind: SegmentKind::Stream,
-                        streams: vec![i],
-                        data_start: stream_data_start(p)?,
-                    });
-                }
-            }
-        }
-        Ok(RunLayout { run: run.to_path_buf(), kind, headers, segments })
-    }
-
-    pub fn workers(&self) -> Vec<WorkerId> {
-        self.headers.iter().map(|h| h.worker).collect()
-    }
-}
-
-fn stream_data_start(path: &Path) -> Result<u64, LogError> {
-    let f = File::open(path).map_err(|e| LogError::io(path, e))?;
-    let mut r = BufReader::new(f);
-    frame::read_prelude(&mut r, path, &MAGIC, FORMAT_VERSION)?;
-    let (_, used) = frame::read_header_block(&mut r, path, frame::PRELUDE_BYTES as u64)?;
-    Ok(frame::PRELUDE_BYTES as u64 + used)
-}
-
-fn merged_data_start(path: &Path, streams: usize) -> Result<u64, LogError> {
-    let f = File::open(path).map_err(|e| LogError::io(path, e))?;
-    let mut r = BufReader::new(f);
-    frame::read_prelude(&mut r, path, &RUN_MAGIC, RUN_FORMAT_VERSION)?;
-    let mut count = [0u8; 2];
-    frame::read_full(&mut r, &mut count).map_err(|e| LogError::io(path, e))?;
-    let mut offset = frame::PRELUDE_BYTES as u64 + 2;
-    for _ in 0..streams {
-        let (_, used) = frame::read_header_block(&mut r, path, offset)?;
-        offset += used;
-    }
-    Ok(offset)
-}
-
-/// Reads one segment's records from a byte offset, checking checksums and sequence numbers as
-/// the stream and run readers do. Yields the stream index (into the run's workers) with each
-/// record.
-pub struct SegmentReader {
-    frames: FrameReader<BufReader<File>>,
-    kind: SegmentKind,
-    /// For a stream segment: its one stream.
-    stream: usize,
-    /// Expected next seq per run stream index (only the segment's streams are used).
-    next_seq: Vec<u64>,
-    last_offset: u64,
-    /// When set, records of other streams are checked (checksum, seq) but not decoded or
-    /// returned: a merged file read one stream at a time.
-    only: Option<usize>,
-}
-
-impl SegmentReader {
-    /// Starts at `offset` (a record boundary: `data_start` or a checkpoint's offset) with the
-    /// sequence numbers the streams' next records must carry (indexed by run stream index).
-    pub fn open_at(seg: &Segment, offset: u64, next_seq: Vec<u64>) -> Result<Self, LogError> {
-        let path = &seg.path;
-        let mut f = File::open(path).map_err(|e| LogError::io(path, e))?;
-        f.seek(SeekFrom::Start(offset)).map_err(|e| LogError::io(path, e))?;
-        Ok(SegmentReader {
-            frames: FrameReader::new(BufReader::with_capacity(FILE_BUFFER_BYTES, f), path.clone(), offset),
-            kind: seg.kind,
-            stream: seg.streams.first().copied().unwrap_or(0),
-            next_seq,
-            last_offset: offset,
-            only: None,
-        })
-    }
-
-    /// Returns only `stream`'s records from now on.
-    pub fn only_stream(mut self, stream: usize) -> Self {
-        self.only = Some(stream);
-        self
-    }
-
-    /// The next record and its stream index, `None` at the end (or a torn tail).
-    pub fn next_record(&mut self) -> Result<Option<(usize, Record)>, LogError> {
-        loop {
-            match self.read_one()? {
-                Some(None) => continue,
-                Some(Some(r)) => return Ok(Some(r)),
-                None => return Ok(None),
-            }
-        }
-    }
-
-    /// `Some(None)`: a record of a stream filtered out.
-    #[allow(clippy::type_complexity)]
-    fn read_one(&mut self) -> Result<Option<Option<(usize, Record)>>, LogError> {
-        let fixed = match self.kind {
-            SegmentKind::Stream => STREAM_RECORD_FIXED_BYTES,
-            SegmentKind::Merged => MERGED_RECORD_FIXED_BYTES,
-        };
-        let Some(offset) = self.frames.next_frame(fixed)? else {
-            return Ok(None);
-        };
-        let body = &self.frames.body;
-        let (stream, rest) = match self.kind {
-            SegmentKind::Stream => (self.stream, &body[..]),
-            SegmentKind::Merged => (u16::from_le_bytes([body[0], body[1]]) as usize, &body[2..]),
-        };
-        let seq = u64::from_le_bytes(fixed8(&rest[0..8]));
-        let at_ns = u64::from_le_bytes(fixed8(&rest[8..16]));
-        let Some(expected) = self.next_seq.get_mut(stream) else {
-            let e = self.frames.corrupt(offset, format!("stream index {stream} out of range"));
-            self.frames.stop();
-            return Err(e);
-        };
-        if seq != *expected {
-            let e = LogError::SequenceGap {
-                path: self.frames.path().to_path_buf(),
-                offset,
-                expected: *expected,
-                found: seq,
-            };
-            self.frames.stop();
-            return Err(e);
-        }
-        if self.only.is_some_and(|o| o != stream) {
-            *expected += 1;
-            return Ok(Some(None));
-        }
-        let fact: Fact = match codec::decode_exact(&rest[16..]) {
-            Ok(f) => f,
-            Err(e) => {
-                let e = self.frames.corrupt(offset, format!("undecodable fact: {e}"));
-                self.frames.stop();
-                return Err(e);
-            }
-        };
-        *expected += 1;
-        self.last_offset = offset;
-        Ok(Some(Some((stream, Record { seq, at_ns, fact }))))
-    }
-
-    /// Byte offset of the record last returned.
-    pub fn last_record_offset(&self) -> u64 {
-        self.last_offset
-    }
-
-    /// Byte offset of the next record (after the end: the segment's sound length).
-    pub fn offset(&self) -> u64 {
-        self.frames.offset()
-    }
-
-    pub fn next_seqs(&self) -> &[u64] {
-        &self.next_seq
-    }
-}
-
-/// Reads the one record that starts at `offset` in a file of the given kind (used to fetch
-/// postings and diff context). The record's checksum is checked; its sequence number is not
-/// (there is no predecessor to check it against).
-pub fn read_record_at(
-    path: &Path,
-    kind: SegmentKind,
-    offset: u64,
-) -> Result<(Option<usize>, Record), LogError> {
-    let mut f = File::open(path).map_err(|e| LogError::io(path, e))?;
-    f.seek(SeekFrom::Start(offset)).map_err(|e| LogError::io(path, e))?;
-    let fixed = match kind {
-        SegmentKind::Stream => STREAM_RECORD_FIXED_BYTES,
-        SegmentKind::Merged => MERGED_RECORD_FIXED_BYTES,
-    };
-    let mut frames = FrameReader::new(BufReader::new(f), path.to_path_buf(), offset);
-    let Some(_) = frames.next_frame(fixed)? else {
-        return Err(LogError::Corrupt {
-            path: path.to_path_buf(),
-            offset,
-            reason: "no record starts here (index or context offset past the end)".into(),
-        });
-    };
-    let body = &frames.body;
-    let (stream, rest) = match kind {
-        SegmentKind::Stream => (None, &body[..]),
-        SegmentKind::Merged => (Some(u16::from_le_bytes([body[0], body[1]]) as usize), &body[2..]),
-    };
-    let seq = u64::from_le_bytes(fixed8(&rest[0..8]));
-    let at_ns = u64::from_le_bytes(fixed8(&rest[8..16]));
-    let fact: Fact = codec::decode_exact(&rest[16..])
-        .map_err(|e| frames.corrupt(offset, format!("undecodable fact: {e}")))?;
-    Ok((stream, Record { seq, at_ns, fact }))
-}
-
-/// Reads the records of `stream` in `seg` from byte offset `start` (a record boundary) until
-/// `after` records past the one at `div` have been read, checking checksums but not sequence
-/// numbers. At most `max_frames` frames are read. For printing context around a record.
-pub fn records_around(
-    seg: &Segment,
-    stream: usize,
-    start: u64,
-    div: u64,
-    after: usize,
-    max_frames: usize,
-) -> Result<Vec<(u64, Record)>, LogError> {
-    let path = &seg.path;
-    let mut f = File::open(path).map_err(|e| LogError::io(path, e))?;
-    f.seek(SeekFrom::Start(start)).map_err(|e| LogError::io(path, e))?;
-    let fixed = match seg.kind {
-        SegmentKind::Stream => STREAM_RECORD_FIXED_BYTES,
-        SegmentKind::Merged => MERGED_RECORD_FIXED_BYTES,
-    };
-    let mut frames = FrameReader::new(BufReader::new(f), path.to_path_buf(), start);
-    let mut out = Vec::new();
-    let mut past = 0usize;
-    for _ in 0..max_frames {
-        let Some(offset) = frames.next_frame(fixed)? else {
-            break;
-        };
-        let body = &frames.body;
-        let (s, rest) = match seg.kind {
-            SegmentKind::Stream => (stream, &body[..]),
-            SegmentKind::Merged => (u16::from_le_bytes([body[0], body[1]]) as usize, &body[2..]),
-        };
-        if s != stream {
-            continue;
-        }
-        if offset > div {
-            if past == after {
-                break;
-            }
-            past += 1;
-        }
-        let seq = u64::from_le_bytes(fixed8(&rest[0..8]));
-        let at_ns = u64::from_le_bytes(fixed8(&rest[8..16]));
-        let fact: Fact = codec::decode_exact(&rest[16..])
-            .map_err(|e| frames.corrupt(offset, format!("undecodable fact: {e}")))?;
-        out.push((offset, Record { seq, at_ns, fact }));
-    }
-    Ok(out)
+/// A per-stream fold the index checkpoints, defined here and implemented by the projection
+/// that needs it (as a log defines its replay machine and the state machine implements it), so
+/// the log layer knows nothing of what is folded.
+///
+/// A fold starts from its stream's header and folds that stream's records in order; its state is
+/// serialized into checkpoints every [`CHECKPOINT_EVERY`] records of a file.
+pub trait CheckpointFold: Clone + Serialize + DeserializeOwned {
+    /// Names the fold and the version of its state: an index built for another is rebuilt.
+    const NAME: &'static str;
+    /// The state before the stream's first record.
+    fn start(header: &StreamHeader) -> Self;
+    /// Folds one record of the stream.
+    fn apply(&mut self, record: &Record);
 }
 
 /// What the index remembers of one file, to tell whether it changed since.
@@ -396,6 +126,8 @@ impl FileFingerprint {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IndexMeta {
     pub format: u32,
+    /// [`CheckpointFold::NAME`] of the fold in the checkpoints.
+    pub fold: String,
     pub workers: Vec<WorkerId>,
     pub segments: Vec<Segment>,
     pub fingerprints: Vec<FileFingerprint>,
@@ -417,7 +149,8 @@ impl IndexMeta {
 
 /// A resumable position in one segment with the fold states of its streams.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Checkpoint {
+#[serde(bound = "F: CheckpointFold")]
+pub struct Checkpoint<F> {
     pub segment: usize,
     /// Offset of the next record to read.
     pub offset: u64,
@@ -426,7 +159,7 @@ pub struct Checkpoint {
     /// The largest `at_ns` among the records folded so far in this segment.
     pub max_at_ns: u64,
     /// Fold states of the segment's streams, in the order of [`Segment::streams`].
-    pub states: Vec<StreamFold>,
+    pub states: Vec<F>,
 }
 
 /// Where one record is: a file of the run (index into [`IndexMeta::segments`]) and the byte
@@ -631,12 +364,14 @@ impl RunIndex {
 
     /// Opens the index of `run` if it is present, complete and matches the run; otherwise
     /// (re)builds it. Never returns an index that does not describe the run as it is now.
-    pub fn open_or_rebuild(run: impl AsRef<Path>) -> Result<(RunIndex, IndexStatus), IndexError> {
-        Self::open_or_rebuild_with(run, &mut |_| {})
+    pub fn open_or_rebuild<F: CheckpointFold>(
+        run: impl AsRef<Path>,
+    ) -> Result<(RunIndex, IndexStatus), IndexError> {
+        Self::open_or_rebuild_with::<F>(run, &mut |_| {})
     }
 
     /// [`RunIndex::open_or_rebuild`], reporting records indexed to `progress` while building.
-    pub fn open_or_rebuild_with(
+    pub fn open_or_rebuild_with<F: CheckpointFold>(
         run: impl AsRef<Path>,
         progress: &mut dyn FnMut(u64),
     ) -> Result<(RunIndex, IndexStatus), IndexError> {
@@ -644,33 +379,39 @@ impl RunIndex {
         let layout = RunLayout::open(run)?;
         let path = Self::index_path(run);
         if !path.exists() {
-            let idx = Self::build_layout(&layout, CHECKPOINT_EVERY, progress)?;
+            let idx = Self::build_layout::<F>(&layout, CHECKPOINT_EVERY, progress)?;
             return Ok((idx, IndexStatus::Built));
         }
-        match Self::try_open(&layout, &path)? {
+        match Self::try_open::<F>(&layout, &path)? {
             Ok(idx) => Ok((idx, IndexStatus::Fresh)),
             Err(reason) => {
-                let idx = Self::build_layout(&layout, CHECKPOINT_EVERY, progress)?;
+                let idx = Self::build_layout::<F>(&layout, CHECKPOINT_EVERY, progress)?;
                 Ok((idx, IndexStatus::Rebuilt(reason)))
             }
         }
     }
 
     /// Builds (or rebuilds) the index of `run` from scratch.
-    pub fn build(run: impl AsRef<Path>) -> Result<RunIndex, IndexError> {
-        Self::build_every(run, CHECKPOINT_EVERY)
+    pub fn build<F: CheckpointFold>(run: impl AsRef<Path>) -> Result<RunIndex, IndexError> {
+        Self::build_every::<F>(run, CHECKPOINT_EVERY)
     }
 
     /// [`RunIndex::build`] with checkpoints every `checkpoint_every` records of a file (tests
     /// use small values to exercise checkpoints on small runs). An index keeps its interval
     /// when reopened.
-    pub fn build_every(run: impl AsRef<Path>, checkpoint_every: u64) -> Result<RunIndex, IndexError> {
+    pub fn build_every<F: CheckpointFold>(
+        run: impl AsRef<Path>,
+        checkpoint_every: u64,
+    ) -> Result<RunIndex, IndexError> {
         let layout = RunLayout::open(run.as_ref())?;
-        Self::build_layout(&layout, checkpoint_every.max(1), &mut |_| {})
+        Self::build_layout::<F>(&layout, checkpoint_every.max(1), &mut |_| {})
     }
 
     /// Opens an existing index; `Ok(Err(reason))` when it cannot be trusted.
-    fn try_open(layout: &RunLayout, path: &Path) -> Result<Result<RunIndex, String>, IndexError> {
+    fn try_open<F: CheckpointFold>(
+        layout: &RunLayout,
+        path: &Path,
+    ) -> Result<Result<RunIndex, String>, IndexError> {
         // sled may panic on some kinds of damage rather than return an error; a damaged index
         // must only ever lead to a rebuild.
         if !path.join("postings").is_dir() {
@@ -701,6 +442,9 @@ impl RunIndex {
         if meta.format != INDEX_FORMAT {
             return Ok(Err(format!("index format {} (this build writes {INDEX_FORMAT})", meta.format)));
         }
+        if meta.fold != F::NAME {
+            return Ok(Err(format!("checkpoints of fold {:?}, wanted {:?}", meta.fold, F::NAME)));
+        }
         if meta.workers != layout.workers() || meta.segments != layout.segments {
             return Ok(Err("the run's streams changed".into()));
         }
@@ -726,7 +470,7 @@ impl RunIndex {
         Ok(Ok(RunIndex { db, postings: std::sync::OnceLock::new(), path, meta }))
     }
 
-    fn build_layout(
+    fn build_layout<F: CheckpointFold>(
         layout: &RunLayout,
         checkpoint_every: u64,
         progress: &mut dyn FnMut(u64),
@@ -753,8 +497,7 @@ impl RunIndex {
         let mut flush_no = 0u32;
         for (si, seg) in layout.segments.iter().enumerate() {
             let seg16 = si as u16;
-            let mut states: Vec<StreamFold> =
-                seg.streams.iter().map(|&s| StreamFold::new(&layout.headers[s])).collect();
+            let mut states: Vec<F> = seg.streams.iter().map(|&s| F::start(&layout.headers[s])).collect();
             // Position of each run stream in `states`.
             let mut slot = vec![usize::MAX; n];
             for (k, &s) in seg.streams.iter().enumerate() {
@@ -766,7 +509,7 @@ impl RunIndex {
             let mut last_offset = seg.data_start;
             let mut ordinal = 0u64;
             while let Some((stream, rec)) = reader.next_record()? {
-                let offset = reader.last_record_offset();
+                let offset = reader.last_record_offset().unwrap_or(seg.data_start);
                 last_offset = offset;
                 if rec.at_ns < last_at[stream] {
                     monotone[stream] = false;
@@ -826,6 +569,7 @@ impl RunIndex {
         db.apply_batch(batch).map_err(|e| db_err(&path, e))?;
         let meta = IndexMeta {
             format: INDEX_FORMAT,
+            fold: F::NAME.to_string(),
             workers: layout.workers(),
             segments: layout.segments.clone(),
             fingerprints,
@@ -918,7 +662,11 @@ impl RunIndex {
     }
 
     /// The latest checkpoint of `segment` whose records all happened at or before `t_ns`.
-    pub fn checkpoint_before(&self, segment: usize, t_ns: u64) -> Result<Option<Checkpoint>, IndexError> {
+    pub fn checkpoint_before<F: CheckpointFold>(
+        &self,
+        segment: usize,
+        t_ns: u64,
+    ) -> Result<Option<Checkpoint<F>>, IndexError> {
         let seg16 = segment as u16;
         let lo = checkpoint_key(seg16, 0, 0);
         let hi = checkpoint_key(seg16, t_ns, u64::MAX);
@@ -926,7 +674,7 @@ impl RunIndex {
             return Ok(None);
         };
         let (_, v) = kv.map_err(|e| db_err(&self.path, e))?;
-        let cp: Checkpoint =
+        let cp: Checkpoint<F> =
             codec::decode_exact(&v).map_err(|e| db_err(&self.path, format!("checkpoint: {e}")))?;
         if cp.segment != segment {
             return Err(db_err(&self.path, "checkpoint of another segment"));

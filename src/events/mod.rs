@@ -30,28 +30,30 @@ pub mod error;
 pub mod fact;
 mod frame;
 pub mod index;
+pub mod layout;
 pub mod reader;
 pub mod run;
+pub mod segment;
 pub mod writer;
 
 pub use error::LogError;
 pub use fact::{BlockHash, Fact, KvDelta, MessageKind, MessageRejection, RejectReason, TerminalStatus};
-pub use frame::{TornTail, MAX_HEADER_BYTES, MAX_RECORD_BYTES};
+pub use frame::TornTail;
+pub use layout::{
+    RunKind, RunLayout, Segment, SegmentKind, FORMAT_VERSION, MAGIC, MAX_HEADER_BYTES, MAX_RECORD_BYTES,
+    RUN_FORMAT_VERSION, RUN_MAGIC,
+};
 pub use reader::{recover, verify_stream, StreamReader, StreamSummary};
 pub use run::{
-    recover_run, stream_file_name, verify_run, write_merged, MergeSummary, RunKind, RunReader,
-    RunStreamSummary, RunSummary, RunWriter, RUN_FORMAT_VERSION, RUN_MAGIC,
+    recover_run, stream_file_name, verify_run, write_merged, MergeSummary, RunReader, RunStreamSummary,
+    RunSummary, RunWriter,
 };
+pub use segment::SegmentReader;
 pub use writer::StreamWriter;
 
 use crate::ids::{Backend, ClockDomain, HandoffPolicy, WorkerId};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
-
-/// The first eight bytes of every stream file.
-pub const MAGIC: [u8; 8] = *b"HOFFLOG\0";
-/// The stream format this build writes (and the only one it reads so far).
-pub const FORMAT_VERSION: u16 = 1;
 
 /// What a fold needs to know about the engine behind a stream.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

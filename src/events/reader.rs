@@ -6,11 +6,11 @@
 //! full-length record with a bad checksum, an undecodable fact, an out-of-sequence number, or an
 //! impossible length is an error naming the file and the record's byte offset.
 
-use super::codec;
 use super::error::LogError;
-use super::frame::{self, FrameReader, TornTail};
-use super::writer::{FILE_BUFFER_BYTES, STREAM_RECORD_FIXED_BYTES};
-use super::{Fact, Record, StreamHeader, FORMAT_VERSION, MAGIC};
+use super::frame::TornTail;
+use super::layout::{self, SegmentKind, FILE_BUFFER_BYTES};
+use super::segment::SegmentReader;
+use super::{Record, StreamHeader};
 use crate::ids::HandoffId;
 use std::collections::BTreeSet;
 use std::fs::{File, OpenOptions};
@@ -19,10 +19,8 @@ use std::path::{Path, PathBuf};
 
 /// Reads records of one stream in order.
 pub struct StreamReader<R: Read> {
-    frames: FrameReader<R>,
+    records: SegmentReader<R>,
     header: StreamHeader,
-    next_seq: u64,
-    last_record_offset: Option<u64>,
 }
 
 impl StreamReader<BufReader<File>> {
@@ -38,15 +36,9 @@ impl<R: Read> StreamReader<R> {
     /// Reads the header from `inner`; `name` is what errors call the stream.
     pub fn new(mut inner: R, name: impl Into<PathBuf>) -> Result<Self, LogError> {
         let path = name.into();
-        frame::read_prelude(&mut inner, &path, &MAGIC, FORMAT_VERSION)?;
-        let (header, used) = frame::read_header_block(&mut inner, &path, frame::PRELUDE_BYTES as u64)?;
-        let data_start = frame::PRELUDE_BYTES as u64 + used;
-        Ok(StreamReader {
-            frames: FrameReader::new(inner, path, data_start),
-            header,
-            next_seq: 0,
-            last_record_offset: None,
-        })
+        let (header, data_start) = layout::read_stream_header_from(&mut inner, &path)?;
+        let records = SegmentReader::new(inner, path, SegmentKind::Stream, 0, data_start, vec![0]);
+        Ok(StreamReader { records, header })
     }
 
     pub fn header(&self) -> &StreamHeader {
@@ -55,59 +47,33 @@ impl<R: Read> StreamReader<R> {
 
     /// The name errors use (the file path for [`StreamReader::open`]).
     pub fn path(&self) -> &Path {
-        self.frames.path()
+        self.records.path()
     }
 
     /// The next record, `None` at the end of the stream (or at a torn tail).
     /// After an error the reader is stopped and returns `None`.
     pub fn next_record(&mut self) -> Result<Option<Record>, LogError> {
-        let result = self.read_record();
-        if result.is_err() {
-            self.frames.stop();
-        }
-        result
-    }
-
-    fn read_record(&mut self) -> Result<Option<Record>, LogError> {
-        let Some(offset) = self.frames.next_frame(STREAM_RECORD_FIXED_BYTES)? else {
-            return Ok(None);
-        };
-        let body = &self.frames.body;
-        let seq = u64::from_le_bytes(fixed8(&body[0..8]));
-        let at_ns = u64::from_le_bytes(fixed8(&body[8..16]));
-        if seq != self.next_seq {
-            return Err(LogError::SequenceGap {
-                path: self.frames.path().to_path_buf(),
-                offset,
-                expected: self.next_seq,
-                found: seq,
-            });
-        }
-        let fact: Fact = codec::decode_exact(&body[STREAM_RECORD_FIXED_BYTES..])
-            .map_err(|e| self.frames.corrupt(offset, format!("undecodable fact: {e}")))?;
-        self.next_seq += 1;
-        self.last_record_offset = Some(offset);
-        Ok(Some(Record { seq, at_ns, fact }))
+        Ok(self.records.next_record()?.map(|(_, rec)| rec))
     }
 
     /// The byte offset of the next record (after the end: the clean length of the stream).
     pub fn offset(&self) -> u64 {
-        self.frames.offset()
+        self.records.offset()
     }
 
     /// The byte offset of the record last returned (for indexes that point into the file).
     pub fn last_record_offset(&self) -> Option<u64> {
-        self.last_record_offset
+        self.records.last_record_offset()
     }
 
     /// The sequence number the next record must carry (= records read so far).
     pub fn next_seq(&self) -> u64 {
-        self.next_seq
+        self.records.next_seqs()[0]
     }
 
     /// The torn tail found at the end, once reading has reached it.
     pub fn torn_tail(&self) -> Option<TornTail> {
-        self.frames.torn_tail()
+        self.records.torn_tail()
     }
 }
 
@@ -116,12 +82,6 @@ impl<R: Read> Iterator for StreamReader<R> {
     fn next(&mut self) -> Option<Self::Item> {
         self.next_record().transpose()
     }
-}
-
-pub(crate) fn fixed8(b: &[u8]) -> [u8; 8] {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(b);
-    a
 }
 
 /// Reads the whole stream at `path`, validating every record, and truncates a torn tail (the

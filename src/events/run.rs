@@ -34,42 +34,23 @@
 
 use super::codec;
 use super::error::LogError;
-use super::frame::{self, FrameReader, TornTail, FRAME_PREFIX_BYTES, MAX_RECORD_BYTES};
-use super::reader::{fixed8, truncate, StreamReader};
-use super::writer::{StreamWriter, FILE_BUFFER_BYTES, RUN_STREAM_BUFFER_BYTES, STREAM_RECORD_FIXED_BYTES};
-use super::{Fact, Record, StreamHeader, MAGIC};
+use super::frame::{self, TornTail};
+use super::layout::{
+    RunLayout, SegmentKind, FILE_BUFFER_BYTES, FRAME_PREFIX_BYTES, RUN_FORMAT_VERSION, RUN_MAGIC,
+    RUN_STREAM_BUFFER_BYTES, STREAM_EXTENSION,
+};
+use super::reader::truncate;
+use super::segment::SegmentReader;
+use super::writer::StreamWriter;
+use super::{Fact, Record, StreamHeader};
 use crate::ids::{HandoffId, WorkerId};
-use std::cmp::{Ordering, Reverse};
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::fs::{self, File};
-use std::io::{BufReader, BufWriter, Write};
+use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-/// The first eight bytes of a merged run file.
-pub const RUN_MAGIC: [u8; 8] = *b"HOFFRUN\0";
-/// The merged-run format this build writes and reads.
-pub const RUN_FORMAT_VERSION: u16 = 1;
-/// The extension of per-worker stream files in a run directory.
-pub const STREAM_EXTENSION: &str = "hlog";
-
-/// Bytes of a merged record body before the fact: stream(u16) + seq(u64) + at_ns(u64).
-const MERGED_RECORD_FIXED_BYTES: usize = 2 + STREAM_RECORD_FIXED_BYTES;
-
-/// The file name of `worker`'s stream in a run directory, e.g. `prefill-0.hlog`.
-pub fn stream_file_name(worker: WorkerId) -> String {
-    format!("{worker}.{STREAM_EXTENSION}")
-}
-
-/// Which layout a run was read from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RunKind {
-    /// A directory of `{worker}.hlog` files.
-    Directory,
-    /// One merged `HOFFRUN` file.
-    Merged,
-    /// One stream file, read as a run of one stream.
-    Stream,
-}
+pub use super::layout::{stream_file_name, RunKind};
 
 /// The other worker a fact names, if any (a peer of a message or transfer, a routed worker).
 fn named_worker(fact: &Fact) -> Option<WorkerId> {
@@ -88,57 +69,21 @@ fn named_worker(fact: &Fact) -> Option<WorkerId> {
     }
 }
 
-/// One record of the merge heap. Ordered so that the max-heap pops the smallest
-/// `(at_ns, stream)` first.
-struct Head {
-    stream: usize,
-    offset: u64,
-    record: Record,
-}
-
-impl Head {
-    fn key(&self) -> Reverse<(u64, usize)> {
-        Reverse((self.record.at_ns, self.stream))
-    }
-}
-impl PartialEq for Head {
-    fn eq(&self, o: &Self) -> bool {
-        self.key() == o.key()
-    }
-}
-impl Eq for Head {}
-impl PartialOrd for Head {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Head {
-    fn cmp(&self, o: &Self) -> Ordering {
-        self.key().cmp(&o.key())
-    }
-}
-
-enum Source {
-    Streams {
-        readers: Vec<StreamReader<BufReader<File>>>,
-        heap: BinaryHeap<Head>,
-        /// Streams whose head was taken and must be read again before the next pop. Refilling
-        /// lazily makes a stream's error surface when its next record is actually needed.
-        refill: Vec<usize>,
-    },
-    Merged {
-        frames: FrameReader<BufReader<File>>,
-        next_seq: Vec<u64>,
-    },
-}
-
-/// Reads a run (directory, merged file, or lone stream) in merge order.
+/// Reads a run (directory, merged file, or lone stream) in merge order, yielding each record
+/// with its stream's index and, through [`RunReader::last_record_offset`], where it starts in
+/// its file.
+///
+/// A merged file or a lone stream is one file, read straight through. A directory is a k-way
+/// merge of its stream files: the heap holds only `(at_ns, stream)` keys, and each stream's
+/// next record waits in `heads`, so memory is one record per stream.
 pub struct RunReader {
-    path: PathBuf,
-    kind: RunKind,
-    headers: Vec<StreamHeader>,
-    stream_paths: Vec<PathBuf>,
-    source: Source,
+    layout: RunLayout,
+    files: Vec<SegmentReader>,
+    heads: Vec<Option<Record>>,
+    heap: BinaryHeap<Reverse<(u64, usize)>>,
+    /// Files whose head was taken and must be read again before the next pop. Refilling
+    /// lazily makes a stream's error surface when its next record is actually needed.
+    refill: Vec<usize>,
     last_record_offset: Option<u64>,
     done: bool,
     /// The run's workers, sorted (filled on first use by `check_peers`).
@@ -151,153 +96,24 @@ impl RunReader {
     /// Opens a run directory, a merged run file, or a single stream file, and reads every
     /// stream header (checking that they share one run id).
     pub fn open(path: impl AsRef<Path>) -> Result<Self, LogError> {
-        let path = path.as_ref();
-        let meta = fs::metadata(path).map_err(|e| LogError::io(path, e))?;
-        if meta.is_dir() {
-            return Self::open_dir(path);
-        }
-        let mut magic = [0u8; 8];
-        let n = {
-            let mut f = File::open(path).map_err(|e| LogError::io(path, e))?;
-            frame::read_full(&mut f, &mut magic).map_err(|e| LogError::io(path, e))?
-        };
-        if n == 8 && magic == RUN_MAGIC {
-            Self::open_merged(path)
-        } else if n == 8 && magic == MAGIC {
-            Self::open_stream_file(path)
-        } else if n < 8 && (MAGIC.starts_with(&magic[..n]) || RUN_MAGIC.starts_with(&magic[..n])) {
-            Err(LogError::CorruptHeader {
-                path: path.into(),
-                offset: n as u64,
-                reason: format!("file ends after {n} bytes, inside the magic"),
-            })
-        } else {
-            Err(LogError::BadMagic {
-                path: path.into(),
-                expected: format!("{} or {}", MAGIC.escape_ascii(), RUN_MAGIC.escape_ascii()),
-                found: magic[..n].escape_ascii().to_string(),
-            })
-        }
+        Self::from_layout(RunLayout::open(path)?)
     }
 
-    fn open_stream_file(path: &Path) -> Result<Self, LogError> {
-        let reader = StreamReader::open(path)?;
-        Ok(Self::from_streams(path, RunKind::Stream, vec![reader]))
-    }
-
-    fn from_streams(path: &Path, kind: RunKind, readers: Vec<StreamReader<BufReader<File>>>) -> Self {
-        let headers = readers.iter().map(|r| r.header().clone()).collect();
-        let stream_paths = readers.iter().map(|r| r.path().to_path_buf()).collect();
-        let refill = (0..readers.len()).collect();
-        RunReader {
-            path: path.to_path_buf(),
-            kind,
-            headers,
-            stream_paths,
-            source: Source::Streams { readers, heap: BinaryHeap::new(), refill },
-            last_record_offset: None,
-            done: false,
-            workers: Vec::new(),
-            peers_checked: true,
-        }
-    }
-
-    fn open_dir(dir: &Path) -> Result<Self, LogError> {
-        let mut found: Vec<(WorkerId, PathBuf)> = Vec::new();
-        for entry in fs::read_dir(dir).map_err(|e| LogError::io(dir, e))? {
-            let entry = entry.map_err(|e| LogError::io(dir, e))?;
-            let p = entry.path();
-            if p.extension().and_then(|e| e.to_str()) != Some(STREAM_EXTENSION) {
-                continue;
-            }
-            let Some(stem) = p.file_stem().and_then(|s| s.to_str()) else { continue };
-            // Only the canonical spelling names a stream (`agg-1.0.hlog` is not `agg-1`'s).
-            let Ok(worker) = stem.parse::<WorkerId>() else { continue };
-            if worker.to_string() != stem || !p.is_file() {
-                continue;
-            }
-            found.push((worker, p));
-        }
-        if found.is_empty() {
-            return Err(LogError::EmptyRun { path: dir.into() });
-        }
-        found.sort();
-        let mut readers = Vec::with_capacity(found.len());
-        for (named, p) in found {
-            let file = File::open(&p).map_err(|e| LogError::io(&p, e))?;
-            let r = StreamReader::new(BufReader::with_capacity(RUN_STREAM_BUFFER_BYTES, file), &p)?;
-            let h = r.header();
-            if h.worker != named {
-                return Err(LogError::WorkerMismatch { path: p, named, found: h.worker });
-            }
-            if let Some(first) = readers.first().map(|f: &StreamReader<_>| f.header().run_id) {
-                if h.run_id != first {
-                    return Err(LogError::RunIdMismatch {
-                        path: p,
-                        worker: h.worker,
-                        expected: first,
-                        found: h.run_id,
-                    });
-                }
-            }
-            readers.push(r);
-        }
-        Ok(Self::from_streams(dir, RunKind::Directory, readers))
-    }
-
-    fn open_merged(path: &Path) -> Result<Self, LogError> {
-        let io = |e| LogError::io(path, e);
-        let mut r = BufReader::with_capacity(FILE_BUFFER_BYTES, File::open(path).map_err(io)?);
-        frame::read_prelude(&mut r, path, &RUN_MAGIC, RUN_FORMAT_VERSION)?;
-        let mut offset = frame::PRELUDE_BYTES as u64;
-        let mut count = [0u8; 2];
-        if frame::read_full(&mut r, &mut count).map_err(io)? < 2 {
-            return Err(LogError::CorruptHeader {
-                path: path.into(),
-                offset,
-                reason: "file ends inside the stream count".into(),
-            });
-        }
-        let count = u16::from_le_bytes(count) as usize;
-        if count == 0 {
-            return Err(LogError::EmptyRun { path: path.into() });
-        }
-        offset += 2;
-        let mut headers: Vec<StreamHeader> = Vec::with_capacity(count);
-        for _ in 0..count {
-            let (h, used) = frame::read_header_block(&mut r, path, offset)?;
-            if let Some(prev) = headers.last() {
-                if h.worker <= prev.worker {
-                    return Err(LogError::CorruptHeader {
-                        path: path.into(),
-                        offset,
-                        reason: format!(
-                            "stream headers out of canonical order: {} after {}",
-                            h.worker, prev.worker
-                        ),
-                    });
-                }
-                if h.run_id != headers[0].run_id {
-                    return Err(LogError::RunIdMismatch {
-                        path: path.into(),
-                        worker: h.worker,
-                        expected: headers[0].run_id,
-                        found: h.run_id,
-                    });
-                }
-            }
-            headers.push(h);
-            offset += used;
-        }
+    /// Reads the run `layout` describes from its first records.
+    pub fn from_layout(layout: RunLayout) -> Result<Self, LogError> {
+        let streams = layout.headers.len();
+        let buffer = if layout.segments.len() > 1 { RUN_STREAM_BUFFER_BYTES } else { FILE_BUFFER_BYTES };
+        let files = layout
+            .segments
+            .iter()
+            .map(|seg| SegmentReader::open_buffered(seg, seg.data_start, vec![0; streams], buffer))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(RunReader {
-            path: path.to_path_buf(),
-            kind: RunKind::Merged,
-            stream_paths: vec![path.to_path_buf()],
-            source: Source::Merged {
-                frames: FrameReader::new(r, path.to_path_buf(), offset),
-                next_seq: vec![0; headers.len()],
-            },
-            headers,
+            heads: (0..files.len()).map(|_| None).collect(),
+            refill: (0..files.len()).collect(),
+            files,
+            layout,
+            heap: BinaryHeap::new(),
             last_record_offset: None,
             done: false,
             workers: Vec::new(),
@@ -314,20 +130,25 @@ impl RunReader {
 
     /// The stream headers in canonical order; record tuples index into this.
     pub fn headers(&self) -> &[StreamHeader] {
-        &self.headers
+        &self.layout.headers
+    }
+
+    /// The files and streams being read.
+    pub fn layout(&self) -> &RunLayout {
+        &self.layout
     }
 
     pub fn kind(&self) -> RunKind {
-        self.kind
+        self.layout.kind
     }
 
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.layout.run
     }
 
     /// The files read: one per stream for a directory, the one file otherwise.
-    pub fn stream_paths(&self) -> &[PathBuf] {
-        &self.stream_paths
+    pub fn stream_paths(&self) -> Vec<PathBuf> {
+        self.layout.paths()
     }
 
     /// Like [`RunReader::next`], naming the record's worker rather than its stream's index.
@@ -355,17 +176,17 @@ impl RunReader {
     /// single stream file is read alone on purpose, so its peers are not checked.
     fn check_peers(&mut self, record: Option<(usize, Record)>) -> Result<Option<(usize, Record)>, LogError> {
         let Some((i, rec)) = record else { return Ok(None) };
-        if self.kind != RunKind::Stream && self.peers_checked {
+        if self.layout.kind != RunKind::Stream && self.peers_checked {
             if let Some(peer) = named_worker(&rec.fact) {
                 if self.workers.is_empty() {
-                    self.workers = self.headers.iter().map(|h| h.worker).collect();
+                    self.workers = self.layout.workers();
                     self.workers.sort();
                 }
                 if self.workers.binary_search(&peer).is_err() {
                     return Err(LogError::MissingStream {
-                        path: self.path.clone(),
+                        path: self.layout.run.clone(),
                         worker: peer,
-                        named_by: self.headers[i].worker,
+                        named_by: self.layout.headers[i].worker,
                         seq: rec.seq,
                     });
                 }
@@ -375,52 +196,23 @@ impl RunReader {
     }
 
     fn read_next(&mut self) -> Result<Option<(usize, Record)>, LogError> {
-        match &mut self.source {
-            Source::Streams { readers, heap, refill } => {
-                for i in std::mem::take(refill) {
-                    let r = &mut readers[i];
-                    if let Some(record) = r.next_record()? {
-                        let offset = r.last_record_offset().unwrap_or_default();
-                        heap.push(Head { stream: i, offset, record });
-                    }
-                }
-                let Some(head) = heap.pop() else { return Ok(None) };
-                refill.push(head.stream);
-                self.last_record_offset = Some(head.offset);
-                Ok(Some((head.stream, head.record)))
-            }
-            Source::Merged { frames, next_seq } => {
-                let Some(offset) = frames.next_frame(MERGED_RECORD_FIXED_BYTES)? else {
-                    return Ok(None);
-                };
-                let body = &frames.body;
-                let stream = u16::from_le_bytes([body[0], body[1]]) as usize;
-                let seq = u64::from_le_bytes(fixed8(&body[2..10]));
-                let at_ns = u64::from_le_bytes(fixed8(&body[10..18]));
-                let Some(expected) = next_seq.get_mut(stream) else {
-                    return Err(frames.corrupt(
-                        offset,
-                        format!(
-                            "stream index {stream} out of range (the run has {} streams)",
-                            self.headers.len()
-                        ),
-                    ));
-                };
-                if seq != *expected {
-                    return Err(LogError::SequenceGap {
-                        path: frames.path().to_path_buf(),
-                        offset,
-                        expected: *expected,
-                        found: seq,
-                    });
-                }
-                let fact: Fact = codec::decode_exact(&body[MERGED_RECORD_FIXED_BYTES..])
-                    .map_err(|e| frames.corrupt(offset, format!("undecodable fact: {e}")))?;
-                *expected += 1;
-                self.last_record_offset = Some(offset);
-                Ok(Some((stream, Record { seq, at_ns, fact })))
+        if let [only] = self.files.as_mut_slice() {
+            let next = only.next_record()?;
+            self.last_record_offset = only.last_record_offset();
+            return Ok(next);
+        }
+        for file in std::mem::take(&mut self.refill) {
+            if let Some((stream, record)) = self.files[file].next_record()? {
+                self.heap.push(Reverse((record.at_ns, stream)));
+                self.heads[file] = Some(record);
             }
         }
+        // In a directory, file `i` holds stream `i`.
+        let Some(Reverse((_, stream))) = self.heap.pop() else { return Ok(None) };
+        let Some(record) = self.heads[stream].take() else { return Ok(None) };
+        self.refill.push(stream);
+        self.last_record_offset = self.files[stream].last_record_offset();
+        Ok(Some((stream, record)))
     }
 
     /// The byte offset of the record last returned, in its stream file (directory) or in the
@@ -431,14 +223,7 @@ impl RunReader {
 
     /// Torn tails found so far, with the file each is in (complete once `next` returned `None`).
     pub fn torn_tails(&self) -> Vec<(PathBuf, TornTail)> {
-        match &self.source {
-            Source::Streams { readers, .. } => {
-                readers.iter().filter_map(|r| r.torn_tail().map(|t| (r.path().to_path_buf(), t))).collect()
-            }
-            Source::Merged { frames, .. } => {
-                frames.torn_tail().map(|t| (self.path.clone(), t)).into_iter().collect()
-            }
-        }
+        self.files.iter().filter_map(|r| r.torn_tail().map(|t| (r.path().to_path_buf(), t))).collect()
     }
 
     /// Iterates the remaining records (stops after the first error).
@@ -614,22 +399,10 @@ fn write_merged_to(run_path: &Path, tmp_path: &Path, out_path: &Path) -> Result<
     while let Some((stream, rec)) = run.next()? {
         scratch.clear();
         scratch.extend_from_slice(&[0u8; FRAME_PREFIX_BYTES]);
-        scratch.extend_from_slice(&(stream as u16).to_le_bytes());
-        scratch.extend_from_slice(&rec.seq.to_le_bytes());
-        scratch.extend_from_slice(&rec.at_ns.to_le_bytes());
+        SegmentKind::Merged.put_fields(&mut scratch, stream, rec.seq, rec.at_ns);
         codec::encode_fact_into(&rec.fact, &mut scratch)
             .map_err(|reason| LogError::Encode { path: out_path.into(), reason })?;
-        let len = scratch.len() - FRAME_PREFIX_BYTES;
-        if len > MAX_RECORD_BYTES {
-            return Err(LogError::RecordTooLarge {
-                path: out_path.into(),
-                bytes: len,
-                max: MAX_RECORD_BYTES,
-            });
-        }
-        let crc = crc32fast::hash(&scratch[FRAME_PREFIX_BYTES..]);
-        scratch[0..4].copy_from_slice(&(len as u32).to_le_bytes());
-        scratch[4..8].copy_from_slice(&crc.to_le_bytes());
+        frame::seal_record(&mut scratch, crc32fast::Hasher::new(), out_path)?;
         out.write_all(&scratch).map_err(io)?;
         bytes += scratch.len() as u64;
         records += 1;

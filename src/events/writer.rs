@@ -8,22 +8,13 @@
 
 use super::codec;
 use super::error::LogError;
-use super::frame::{self, TornTail, FRAME_PREFIX_BYTES, MAX_RECORD_BYTES};
+use super::frame::{self, TornTail};
+use super::layout::{SegmentKind, FILE_BUFFER_BYTES, FORMAT_VERSION, FRAME_PREFIX_BYTES, MAGIC};
 use super::reader::StreamReader;
-use super::{Fact, StreamHeader, FORMAT_VERSION, MAGIC};
+use super::{Fact, StreamHeader};
 use std::fs::{File, OpenOptions};
 use std::io::{BufReader, BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-
-/// Buffer size for file-backed writers and readers: large enough that a syscall carries
-/// thousands of small records.
-pub(crate) const FILE_BUFFER_BYTES: usize = 1 << 20;
-
-/// Per-stream buffer when a run holds many streams open at once (memory = streams x this).
-pub(crate) const RUN_STREAM_BUFFER_BYTES: usize = 128 << 10;
-
-/// Bytes of a stream record body before the fact: seq(u64) + at_ns(u64).
-pub(crate) const STREAM_RECORD_FIXED_BYTES: usize = 16;
 
 /// Appends records to one stream.
 #[derive(Debug)]
@@ -76,23 +67,10 @@ impl<W: Write> StreamWriter<W> {
         let s = &mut self.scratch;
         s.clear();
         s.extend_from_slice(&[0u8; FRAME_PREFIX_BYTES]);
-        s.extend_from_slice(&seq.to_le_bytes());
-        s.extend_from_slice(&at_ns.to_le_bytes());
+        SegmentKind::Stream.put_fields(s, 0, seq, at_ns);
         codec::encode_fact_into(fact, s)
             .map_err(|reason| LogError::Encode { path: self.name.clone(), reason })?;
-        let len = s.len() - FRAME_PREFIX_BYTES;
-        if len > MAX_RECORD_BYTES {
-            return Err(LogError::RecordTooLarge {
-                path: self.name.clone(),
-                bytes: len,
-                max: MAX_RECORD_BYTES,
-            });
-        }
-        let mut h = self.crc.clone();
-        h.update(&s[FRAME_PREFIX_BYTES..]);
-        let crc = h.finalize();
-        s[0..4].copy_from_slice(&(len as u32).to_le_bytes());
-        s[4..8].copy_from_slice(&crc.to_le_bytes());
+        frame::seal_record(s, self.crc.clone(), &self.name)?;
         self.write_scratch()?;
         self.next_seq += 1;
         Ok(seq)

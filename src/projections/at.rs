@@ -8,8 +8,9 @@
 //! decreases, reading stops at the first record after `T`; otherwise it reads to the end of the
 //! file and skips the later records.
 
-use crate::events::index::{IndexError, RunIndex, RunLayout, SegmentReader};
+use crate::events::index::{CheckpointFold, IndexError, RunIndex};
 use crate::events::{Fact, Record, StreamHeader, TerminalStatus};
+use crate::events::{RunLayout, SegmentReader};
 use crate::ids::{RequestId, Role, WorkerId};
 use crate::projections::capacity::KvCapacitySnapshot;
 use crate::projections::scheduler::SchedulerFold;
@@ -160,6 +161,16 @@ pub struct StreamFold {
     pub last_at_ns: Option<u64>,
     /// The first contradiction found (the record is skipped by the fold that refused it).
     pub violation: Option<String>,
+}
+
+impl CheckpointFold for StreamFold {
+    const NAME: &'static str = "at.stream.v1";
+    fn start(header: &StreamHeader) -> Self {
+        StreamFold::new(header)
+    }
+    fn apply(&mut self, record: &Record) {
+        StreamFold::apply(self, record)
+    }
 }
 
 impl StreamFold {
@@ -370,7 +381,7 @@ pub fn state_at(
     let mut read = 0u64;
     for (si, seg) in segments.iter().enumerate() {
         let cp = match index {
-            Some(idx) => idx.checkpoint_before(si, t_ns)?,
+            Some(idx) => idx.checkpoint_before::<StreamFold>(si, t_ns)?,
             None => None,
         };
         let (offset, next_seq, mut states) = match cp {

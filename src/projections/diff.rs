@@ -48,15 +48,14 @@
 //!   recognised by a bounded memory of recently finished ids and ignored.
 
 use crate::events::index::{read_record_at, records_around, RunLayout, Segment, SegmentKind, SegmentReader};
-use crate::events::{Fact, KvDelta, LogError, Record, StreamHeader, TerminalStatus};
+use crate::events::{Fact, KvDelta, LogError, Record, RunReader, StreamHeader, TerminalStatus};
 use crate::ids::{CancelReason, EndReason, HandoffId, RequestId, Role, WorkerId};
 use crate::projections::at::{is_booking_fact, RouterBookings};
 use crate::projections::capacity::KvCapacitySnapshot;
 use crate::projections::handoffs::{HandoffEntry, HandoffLedger, HandoffOutcome};
 use serde::ser::SerializeStruct;
 use serde::Serialize;
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 
 /// How to compare.
@@ -724,7 +723,7 @@ impl WorkerSide {
             return Ok(None);
         };
         while let Some((_, rec)) = reader.next_record()? {
-            if let Some(q) = self.track.observe(&rec, reader.last_record_offset()) {
+            if let Some(q) = self.track.observe(&rec, reader.last_record_offset().unwrap_or_default()) {
                 return Ok(Some(q));
             }
         }
@@ -795,70 +794,6 @@ struct Cmp {
     qb: VecDeque<QElem>,
     index: u64,
     state: CmpState,
-}
-
-/// Reads a run's files in merge order (`(at_ns, stream)`, each stream in seq order), like
-/// [`crate::events::RunReader`] but keeping only 16-byte keys in its heap. A merged file is already in merge
-/// order and is read straight through.
-struct MergeReader {
-    readers: Vec<SegmentReader>,
-    heads: Vec<Option<(usize, Record)>>,
-    heap: BinaryHeap<Reverse<(u64, usize, usize)>>,
-    refill: Option<usize>,
-    started: bool,
-    last_offset: u64,
-}
-
-impl MergeReader {
-    fn open(layout: &RunLayout) -> Result<Self, LogError> {
-        let n = layout.headers.len();
-        let mut readers = Vec::new();
-        for seg in &layout.segments {
-            readers.push(SegmentReader::open_at(seg, seg.data_start, vec![0; n])?);
-        }
-        Ok(MergeReader {
-            heads: (0..readers.len()).map(|_| None).collect(),
-            readers,
-            heap: BinaryHeap::new(),
-            refill: None,
-            started: false,
-            last_offset: 0,
-        })
-    }
-
-    fn fill(&mut self, seg: usize) -> Result<(), LogError> {
-        if let Some((stream, rec)) = self.readers[seg].next_record()? {
-            self.heap.push(Reverse((rec.at_ns, stream, seg)));
-            self.heads[seg] = Some((stream, rec));
-        }
-        Ok(())
-    }
-
-    /// The next record, its stream and its byte offset in its file.
-    fn next(&mut self) -> Result<Option<(usize, Record, u64)>, LogError> {
-        if self.readers.len() == 1 {
-            let r = &mut self.readers[0];
-            return Ok(r.next_record()?.map(|(s, rec)| (s, rec, r.last_record_offset())));
-        }
-        if !self.started {
-            self.started = true;
-            for s in 0..self.readers.len() {
-                self.fill(s)?;
-            }
-        }
-        if let Some(s) = self.refill.take() {
-            self.fill(s)?;
-        }
-        let Some(Reverse((_, _, seg))) = self.heap.pop() else {
-            return Ok(None);
-        };
-        let Some((stream, rec)) = self.heads[seg].take() else {
-            return Ok(None);
-        };
-        self.last_offset = self.readers[seg].last_record_offset();
-        self.refill = Some(seg);
-        Ok(Some((stream, rec, self.last_offset)))
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1069,7 +1004,7 @@ const RECENT_IDS: usize = 65_536;
 
 /// One run folded in merge order.
 struct EntitySide {
-    reader: MergeReader,
+    reader: RunReader,
     workers: Vec<WorkerId>,
     /// Per compared worker (the union of both runs' workers): its sequence folds.
     tracks: Vec<Track>,
@@ -1106,7 +1041,8 @@ impl EntitySide {
         ring_cap: usize,
         track_ring: usize,
     ) -> Result<Self, LogError> {
-        let reader = MergeReader::open(layout)?;
+        // Diff compares what each run holds; a run missing a stream shows as differences.
+        let reader = RunReader::from_layout(layout.clone())?.allow_missing_peers();
         let workers: Vec<WorkerId> = layout.workers();
         let has_router = workers.iter().any(|w| w.role == Role::Router);
         let tracks = all_workers.iter().map(|w| Track::new(layout, *w, track_ring)).collect();
@@ -1136,12 +1072,13 @@ impl EntitySide {
     /// Reads and folds one record; returns the worker sequence element it made, if any, with
     /// the worker's index in `tracks`.
     fn step(&mut self) -> Result<Option<(usize, QElem)>, LogError> {
-        let Some((i, rec, offset)) = self.reader.next()? else {
+        let Some((i, rec)) = self.reader.next()? else {
             self.ended = true;
             self.finish_all();
             return Ok(None);
         };
         self.records += 1;
+        let offset = self.reader.last_record_offset().unwrap_or_default();
         let worker = self.workers[i];
         let r = RecRef { stream: i, offset };
         let k = self.track_of[i];

@@ -3,9 +3,11 @@
 
 use crate::out::Out;
 use crate::CliError;
-use handoff_ledger::events::index::{IndexError, IndexStatus, RunIndex, RunLayout, SegmentReader};
+use handoff_ledger::events::index::{IndexError, IndexStatus, RunIndex};
 use handoff_ledger::events::Record;
+use handoff_ledger::events::{RunLayout, SegmentReader};
 use handoff_ledger::ids::{HandoffId, WorkerId};
+use handoff_ledger::projections::at::StreamFold;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::Path;
@@ -45,7 +47,7 @@ impl Progress {
 pub fn run(run: &Path, json: bool) -> Result<u8, CliError> {
     let p = Progress::new("indexing");
     let started = std::time::Instant::now();
-    let (idx, status) = RunIndex::open_or_rebuild_with(run, &mut |n| p.set(n))?;
+    let (idx, status) = RunIndex::open_or_rebuild_with::<StreamFold>(run, &mut |n| p.set(n))?;
     p.done();
     let meta = idx.meta();
     let status_text = match &status {
@@ -98,7 +100,7 @@ pub fn indexed_show(
     if (handoff.is_none() && worker.is_none()) || !RunIndex::exists(log) {
         return Ok(false);
     }
-    let (idx, status) = match RunIndex::open_or_rebuild(log) {
+    let (idx, status) = match RunIndex::open_or_rebuild::<StreamFold>(log) {
         Ok(x) => x,
         Err(e @ IndexError::Busy { .. }) => {
             eprintln!("handoff-log: {e}; reading without it");
@@ -121,7 +123,7 @@ pub fn indexed_show(
                 // The postings part is damaged: never trust it, rebuild and ask again.
                 eprintln!("handoff-log: {e}; rebuilding the index");
                 drop(idx);
-                let rebuilt = RunIndex::build(log)?;
+                let rebuilt = RunIndex::build::<StreamFold>(log)?;
                 let p = rebuilt.offsets_for_handoff(h)?;
                 return emit_postings(&rebuilt, &p, &workers, worker, emit);
             }
@@ -138,7 +140,7 @@ pub fn indexed_show(
         return Ok(false);
     };
     let layout = RunLayout::open(log)?;
-    let Some(seg) = layout.segments.iter().find(|s| s.streams.contains(&stream)) else {
+    let Some(seg) = layout.segment_of(stream) else {
         return Ok(false);
     };
     let mut r = SegmentReader::open_at(seg, seg.data_start, vec![0; workers.len()])?.only_stream(stream);

@@ -10,7 +10,7 @@ use handoff_ledger::adapters::replay::engine::{Replay, ReplayOptions};
 use handoff_ledger::adapters::replay::identity;
 use handoff_ledger::adapters::replay::sweep::{self, Grid, PlannedRun, Shard};
 use handoff_ledger::adapters::replay::trace::TraceFormat;
-use handoff_ledger::events::run::STREAM_EXTENSION;
+use handoff_ledger::events::layout::STREAM_EXTENSION;
 use handoff_ledger::events::RunReader;
 use handoff_ledger::projections::compare::{summarize_run, CompareOptions, RunSummary};
 use handoff_ledger::projections::metrics::Slo;
