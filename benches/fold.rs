@@ -14,9 +14,10 @@ mod support;
 use criterion::{black_box, Criterion, Throughput};
 use handoff_ledger::events::index::RunIndex;
 use handoff_ledger::events::RunReader;
-use handoff_ledger::projections::at::{state_at, StreamFold};
+use handoff_ledger::projections::at::state_at;
 use handoff_ledger::projections::diff::{diff_runs, DiffOptions};
 use handoff_ledger::projections::run::project_capacity;
+use handoff_ledger::projections::worker::WorkerFold;
 use support::{generate, GenConfig};
 
 fn main() {
@@ -56,7 +57,7 @@ fn main() {
         g.finish();
     }
     {
-        let idx = RunIndex::build::<StreamFold>(&a).expect("index");
+        let idx = RunIndex::build::<WorkerFold>(&a).expect("index");
         let mut last = 0;
         let mut run = RunReader::open(&a).expect("open");
         while let Ok(Some((_, rec))) = run.next() {

@@ -6,9 +6,10 @@ mod support;
 use handoff_ledger::events::index::RunIndex;
 use handoff_ledger::events::{write_merged, RunReader};
 use handoff_ledger::ids::Role;
-use handoff_ledger::projections::at::{parse_time, state_at, AtReport, StreamFold};
+use handoff_ledger::projections::at::{parse_time, state_at, AtReport};
 use handoff_ledger::projections::capacity::KvCapacitySnapshot;
 use handoff_ledger::projections::run::project_capacity;
+use handoff_ledger::projections::worker::WorkerFold;
 use proptest::prelude::*;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -34,8 +35,8 @@ fn fixture() -> &'static Fixture {
         generate(&run, &GenConfig { requests: 400, ..GenConfig::default() });
         let merged = dir.path().join("run.hrun");
         write_merged(&run, &merged).unwrap();
-        let run_index = RunIndex::build_every::<StreamFold>(&run, 97).unwrap();
-        let merged_index = RunIndex::build_every::<StreamFold>(&merged, 211).unwrap();
+        let run_index = RunIndex::build_every::<WorkerFold>(&run, 97).unwrap();
+        let merged_index = RunIndex::build_every::<WorkerFold>(&merged, 211).unwrap();
         let mut r = RunReader::open(&run).unwrap();
         let mut last = 0;
         while let Some((_, rec)) = r.next().unwrap() {
@@ -50,12 +51,12 @@ fn fixture() -> &'static Fixture {
 fn naive(run: &Path, t: u64) -> (AtReport, Vec<KvCapacitySnapshot>) {
     let mut r = RunReader::open(run).unwrap();
     let headers = r.headers().to_vec();
-    let mut folds: Vec<StreamFold> = headers.iter().map(StreamFold::new).collect();
+    let mut folds: Vec<WorkerFold> = headers.iter().map(WorkerFold::new).collect();
     let mut caps: Vec<KvCapacitySnapshot> =
         headers.iter().map(|h| KvCapacitySnapshot::empty(h.engine.total_blocks as u64)).collect();
     while let Some((i, rec)) = r.next().unwrap() {
         if rec.at_ns <= t {
-            folds[i].apply(&rec);
+            let _ = folds[i].apply(&rec);
             if headers[i].worker.role != Role::Router {
                 caps[i].apply(&rec.fact.kv_delta()).unwrap();
             }

@@ -8,7 +8,7 @@ use assert_cmd::Command;
 use handoff_ledger::events::index::{IndexStatus, RunIndex};
 use handoff_ledger::events::{write_merged, Fact, RunReader, StreamWriter};
 use handoff_ledger::ids::{HandoffId, RequestId};
-use handoff_ledger::projections::at::StreamFold;
+use handoff_ledger::projections::worker::WorkerFold;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use support::{generate, GenConfig};
@@ -123,7 +123,7 @@ fn at_with_index_equals_at_without() {
 fn library_postings_match_a_scan() {
     let t = tempfile::tempdir().unwrap();
     let (plain, indexed) = pair(t.path());
-    let (idx, status) = RunIndex::open_or_rebuild::<StreamFold>(&indexed).unwrap();
+    let (idx, status) = RunIndex::open_or_rebuild::<WorkerFold>(&indexed).unwrap();
     assert_eq!(status, IndexStatus::Fresh);
     let req = RequestId(9);
     let got: Vec<(usize, u64)> = idx
@@ -201,7 +201,7 @@ fn a_damaged_index_is_rebuilt_not_trusted() {
     assert!(out.status.success());
     assert_eq!(String::from_utf8(out.stdout).unwrap(), show(&plain, &["--handoff", &h]));
     // Rewriting a stream with the same length but other bytes is caught by the checksum.
-    let (idx, _) = RunIndex::open_or_rebuild::<StreamFold>(&indexed).unwrap();
+    let (idx, _) = RunIndex::open_or_rebuild::<WorkerFold>(&indexed).unwrap();
     drop(idx);
     let f = indexed.join("router.hlog");
     let mut bytes = std::fs::read(&f).unwrap();
@@ -218,7 +218,7 @@ fn a_damaged_index_is_rebuilt_not_trusted() {
 fn an_index_in_use_elsewhere_is_left_alone_and_readers_scan() {
     let t = tempfile::tempdir().unwrap();
     let (plain, indexed) = pair(t.path());
-    let (held, _) = RunIndex::open_or_rebuild::<StreamFold>(&indexed).unwrap();
+    let (held, _) = RunIndex::open_or_rebuild::<WorkerFold>(&indexed).unwrap();
     let out = bin().arg("at").arg(&indexed).args(["--time", "33", "--json"]).output().unwrap();
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("in use"));

@@ -2,7 +2,8 @@
 
 use handoff_ledger::events::{Fact, TerminalStatus};
 use handoff_ledger::ids::{RequestId, WorkerId};
-use handoff_ledger::router::{BookingError, Router, RouterFold, RouterMode, WorkerLoad};
+use handoff_ledger::projections::bookings::BookingFold;
+use handoff_ledger::router::{BookingError, Router, RouterMode, WorkerLoad};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
@@ -86,7 +87,7 @@ fn double_booking_and_foreign_workers_are_errors() {
 
 #[test]
 fn fold_rejects_inconsistent_streams() {
-    let mut f = RouterFold::new();
+    let mut f = BookingFold::new();
     assert!(f.apply(&Fact::PrefillBookingFreed { request: r(1), worker: p(0) }).is_err());
     f.apply(&Fact::PrefillBooked { request: r(1), worker: p(0), prefill_tokens: 0, blocks: 1 }).unwrap();
     assert!(f.apply(&Fact::PrefillComputeDone { request: r(1), worker: p(1) }).is_err(), "wrong worker");
@@ -167,7 +168,7 @@ proptest! {
                                                    ops in prop::collection::vec(op(), 0..80)) {
         let workers = vec![p(0), p(1), p(2), d(0), d(1)];
         let mut rt = Router::new(workers.clone(), mode, 64, seed).unwrap();
-        let mut fold = RouterFold::new();
+        let mut fold = BookingFold::new();
         let mut stream: Vec<Fact> = Vec::new();
         for op in &ops {
             let fact = match *op {
@@ -194,7 +195,7 @@ proptest! {
             prop_assert_eq!(fold.in_flight(), rt.bookings().in_flight());
         }
         // Re-folding the whole stream from scratch gives the same answer.
-        let mut again = RouterFold::new();
+        let mut again = BookingFold::new();
         for f in &stream {
             again.apply(f).unwrap();
         }

@@ -39,6 +39,32 @@ pub struct KvDelta {
     pub headroom_tokens: i32,
 }
 
+/// `active+4,free-4`: the classes that move, with signs (`0` when nothing moves).
+impl std::fmt::Display for KvDelta {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts = [
+            ("active", self.active),
+            ("pinned_source", self.pinned_source),
+            ("reserved_destination", self.reserved_destination),
+            ("cached_free", self.cached_free),
+            ("free", self.free),
+            ("slots", self.slots),
+            ("headroom_tokens", self.headroom_tokens),
+        ];
+        let mut moved = parts.iter().filter(|(_, v)| *v != 0).peekable();
+        if moved.peek().is_none() {
+            return f.write_str("0");
+        }
+        for (i, (name, v)) in moved.enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{name}{v:+}")?;
+        }
+        Ok(())
+    }
+}
+
 impl KvDelta {
     pub const ZERO: KvDelta = KvDelta {
         active: 0,

@@ -8,15 +8,14 @@
 //! decreases, reading stops at the first record after `T`; otherwise it reads to the end of the
 //! file and skips the later records.
 
-use crate::events::index::{CheckpointFold, IndexError, RunIndex};
-use crate::events::{Fact, Record, StreamHeader, TerminalStatus};
+use crate::events::index::{IndexError, RunIndex};
 use crate::events::{RunLayout, SegmentReader};
-use crate::ids::{RequestId, Role, WorkerId};
+use crate::ids::{Role, WorkerId};
 use crate::projections::capacity::KvCapacitySnapshot;
-use crate::projections::scheduler::SchedulerFold;
+use crate::projections::worker::WorkerFold;
+use crate::router::WorkerLoad;
 use crate::schedulers::SchedulerView;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
 use std::path::Path;
 
 /// The router's bookings for one worker.
@@ -30,186 +29,15 @@ pub struct WorkerBookings {
     pub booked_decode_blocks: u64,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-struct PrefillBooking {
-    worker: WorkerId,
-    tokens: u64,
-    blocks: u64,
-    compute_done: bool,
-}
+/// Kept here for the readers that found it here.
+pub use crate::projections::bookings::is_booking_fact;
 
-/// The router booking fold over the router stream (`PrefillBooked`, `PrefillComputeDone`,
-/// `PrefillBookingFreed`, `DecodeBooked`, `DecodeBookingFreed`). Memory grows with bookings
-/// in flight, not with the log.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RouterBookings {
-    per_worker: BTreeMap<WorkerId, WorkerBookings>,
-    prefill: BTreeMap<RequestId, PrefillBooking>,
-    decode: BTreeMap<RequestId, (WorkerId, u64)>,
-}
-
-impl RouterBookings {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Per worker, every worker ever booked (zeros included once its bookings ended).
-    pub fn per_worker(&self) -> &BTreeMap<WorkerId, WorkerBookings> {
-        &self.per_worker
-    }
-
-    /// Bookings not yet freed: (prefill, decode).
-    pub fn open_bookings(&self) -> (usize, usize) {
-        (self.prefill.len(), self.decode.len())
-    }
-
-    /// Nothing booked anywhere.
-    pub fn is_drained(&self) -> bool {
-        self.prefill.is_empty() && self.decode.is_empty()
-    }
-
-    /// Applies one fact; other facts are ignored. A free of an unknown booking is an error
-    /// (the router stream contradicts itself) and changes nothing.
-    pub fn apply(&mut self, fact: &Fact) -> Result<(), String> {
-        match fact {
-            Fact::PrefillBooked { request, worker, prefill_tokens, blocks } => {
-                if self.prefill.contains_key(request) {
-                    return Err(format!("{request} prefill booked twice"));
-                }
-                let b = PrefillBooking {
-                    worker: *worker,
-                    tokens: *prefill_tokens as u64,
-                    blocks: *blocks as u64,
-                    compute_done: false,
-                };
-                let w = self.per_worker.entry(*worker).or_default();
-                w.active_prefill_tokens += b.tokens;
-                w.booked_prefill_blocks += b.blocks;
-                self.prefill.insert(*request, b);
-            }
-            Fact::PrefillComputeDone { request, .. } => match self.prefill.get_mut(request) {
-                Some(b) if !b.compute_done => {
-                    b.compute_done = true;
-                    let w = self.per_worker.entry(b.worker).or_default();
-                    w.active_prefill_tokens = w.active_prefill_tokens.saturating_sub(b.tokens);
-                }
-                Some(_) => return Err(format!("{request} prefill compute done twice")),
-                None => return Err(format!("{request} prefill compute done but not booked")),
-            },
-            Fact::PrefillBookingFreed { request, .. } => match self.prefill.remove(request) {
-                Some(b) => {
-                    let w = self.per_worker.entry(b.worker).or_default();
-                    if !b.compute_done {
-                        w.active_prefill_tokens = w.active_prefill_tokens.saturating_sub(b.tokens);
-                    }
-                    w.booked_prefill_blocks = w.booked_prefill_blocks.saturating_sub(b.blocks);
-                }
-                None => return Err(format!("{request} prefill booking freed but not booked")),
-            },
-            Fact::DecodeBooked { request, worker, blocks } => {
-                if self.decode.contains_key(request) {
-                    return Err(format!("{request} decode booked twice"));
-                }
-                self.per_worker.entry(*worker).or_default().booked_decode_blocks += *blocks as u64;
-                self.decode.insert(*request, (*worker, *blocks as u64));
-            }
-            Fact::DecodeBookingFreed { request, .. } => match self.decode.remove(request) {
-                Some((worker, blocks)) => {
-                    let w = self.per_worker.entry(worker).or_default();
-                    w.booked_decode_blocks = w.booked_decode_blocks.saturating_sub(blocks);
-                }
-                None => return Err(format!("{request} decode booking freed but not booked")),
-            },
-            _ => {}
-        }
-        Ok(())
-    }
-}
-
-/// Whether a fact is one of the router's booking facts (the router booking sequence).
-pub fn is_booking_fact(fact: &Fact) -> bool {
-    matches!(
-        fact,
-        Fact::PrefillBooked { .. }
-            | Fact::PrefillComputeDone { .. }
-            | Fact::PrefillBookingFreed { .. }
-            | Fact::DecodeBooked { .. }
-            | Fact::DecodeBookingFreed { .. }
-    )
-}
-
-/// A `DecodeBookingFreed` status, for `is_booking_fact` users that print it.
-pub fn booking_status(fact: &Fact) -> Option<TerminalStatus> {
-    match fact {
-        Fact::DecodeBookingFreed { status, .. } => Some(*status),
-        _ => None,
-    }
-}
-
-/// Everything `at` folds for one stream. Serializable: the index stores it in checkpoints.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct StreamFold {
-    pub worker: WorkerId,
-    /// Engine streams: physical KV. (Router: stays empty.)
-    pub capacity: KvCapacitySnapshot,
-    /// Engine streams: the scheduler's queues.
-    pub scheduler: SchedulerFold,
-    /// Router stream: bookings.
-    pub bookings: RouterBookings,
-    /// Records applied.
-    pub records: u64,
-    pub last_at_ns: Option<u64>,
-    /// The first contradiction found (the record is skipped by the fold that refused it).
-    pub violation: Option<String>,
-}
-
-impl CheckpointFold for StreamFold {
-    const NAME: &'static str = "at.stream.v1";
-    fn start(header: &StreamHeader) -> Self {
-        StreamFold::new(header)
-    }
-    fn apply(&mut self, record: &Record) {
-        StreamFold::apply(self, record)
-    }
-}
-
-impl StreamFold {
-    pub fn new(header: &StreamHeader) -> Self {
-        StreamFold {
-            worker: header.worker,
-            capacity: KvCapacitySnapshot::empty(header.engine.total_blocks as u64),
-            scheduler: SchedulerFold::new(),
-            bookings: RouterBookings::new(),
-            records: 0,
-            last_at_ns: None,
-            violation: None,
-        }
-    }
-
-    pub fn apply(&mut self, rec: &Record) {
-        self.records += 1;
-        self.last_at_ns = Some(rec.at_ns);
-        let mut note = |msg: String| {
-            if self.violation.is_none() {
-                self.violation = Some(format!(
-                    "{} seq {} (t={:.3} ms): {msg}",
-                    self.worker,
-                    rec.seq,
-                    rec.at_ns as f64 / 1e6
-                ));
-            }
-        };
-        if self.worker.role == Role::Router {
-            if let Err(e) = self.bookings.apply(&rec.fact) {
-                note(e);
-            }
-        } else {
-            if let Err(e) = self.capacity.apply_fact(&rec.fact) {
-                note(e.to_string());
-            }
-            if let Err(e) = self.scheduler.apply(&rec.fact) {
-                note(e.to_string());
-            }
+impl From<WorkerLoad> for WorkerBookings {
+    fn from(l: WorkerLoad) -> Self {
+        WorkerBookings {
+            active_prefill_tokens: l.active_prefill_tokens,
+            booked_prefill_blocks: l.prefill_blocks,
+            booked_decode_blocks: l.decode_blocks,
         }
     }
 }
@@ -300,7 +128,7 @@ pub struct AtReport {
 
 impl AtReport {
     /// Builds the report from one fold per stream (in canonical worker order).
-    pub fn from_folds(t_ns: u64, folds: &[StreamFold]) -> Self {
+    pub fn from_folds(t_ns: u64, folds: &[WorkerFold]) -> Self {
         let router = folds.iter().find(|f| f.worker.role == Role::Router);
         let workers = folds
             .iter()
@@ -310,12 +138,9 @@ impl AtReport {
                     worker: f.worker,
                     capacity: engine.then(|| CapacityView::from(&f.capacity)),
                     queues: engine.then(|| f.scheduler.view()),
-                    bookings: engine.then(|| {
-                        router
-                            .and_then(|r| r.bookings.per_worker().get(&f.worker).copied())
-                            .unwrap_or_default()
-                    }),
-                    open_bookings: (!engine).then(|| f.bookings.open_bookings()),
+                    bookings: engine
+                        .then(|| router.map(|r| r.bookings.load(f.worker)).unwrap_or_default().into()),
+                    open_bookings: (!engine).then(|| f.bookings.in_flight()),
                     records_applied: f.records,
                     last_at_ns: f.last_at_ns,
                 }
@@ -377,11 +202,11 @@ pub fn state_at(
     };
     let RunLayout { headers, segments, .. } = layout;
     let n = headers.len();
-    let mut folds: Vec<Option<StreamFold>> = vec![None; n];
+    let mut folds: Vec<Option<WorkerFold>> = vec![None; n];
     let mut read = 0u64;
     for (si, seg) in segments.iter().enumerate() {
         let cp = match index {
-            Some(idx) => idx.checkpoint_before::<StreamFold>(si, t_ns)?,
+            Some(idx) => idx.checkpoint_before::<WorkerFold>(si, t_ns)?,
             None => None,
         };
         let (offset, next_seq, mut states) = match cp {
@@ -389,7 +214,7 @@ pub fn state_at(
             None => (
                 seg.data_start,
                 vec![0; n],
-                seg.streams.iter().map(|&s| StreamFold::new(&headers[s])).collect(),
+                seg.streams.iter().map(|&s| WorkerFold::new(&headers[s])).collect(),
             ),
         };
         let mut slot = vec![usize::MAX; n];
@@ -411,7 +236,8 @@ pub fn state_at(
                 continue;
             }
             if let Some(st) = states.get_mut(slot[stream]) {
-                st.apply(&rec);
+                // A contradiction is reported through the fold's `violation`.
+                let _ = st.apply(&rec);
             }
         }
         for (k, st) in states.into_iter().enumerate() {
@@ -421,10 +247,10 @@ pub fn state_at(
         }
     }
     progress(read);
-    let folds: Vec<StreamFold> = folds
+    let folds: Vec<WorkerFold> = folds
         .into_iter()
         .enumerate()
-        .map(|(i, f)| f.unwrap_or_else(|| StreamFold::new(&headers[i])))
+        .map(|(i, f)| f.unwrap_or_else(|| WorkerFold::new(&headers[i])))
         .collect();
     Ok(AtReport::from_folds(t_ns, &folds))
 }

@@ -21,13 +21,36 @@ pub struct KvCapacitySnapshot {
 
 /// A delta would take a class below zero: the facts contradict each other.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("capacity delta {delta:?} applied to {before:?} leaves a class negative or breaks conservation")]
+#[error("capacity delta {delta} applied to {before} leaves a class negative or breaks conservation")]
 pub struct CapacityViolation {
     pub before: KvCapacitySnapshot,
     pub delta: KvDelta,
 }
 
+/// `active=3 pinned=0 reserved=0 cached_free=1 free=6 total=10 slots=1 headroom=0`.
+impl std::fmt::Display for KvCapacitySnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "active={} pinned={} reserved={} cached_free={} free={} total={} slots={} headroom={}",
+            self.active_blocks,
+            self.pinned_source_blocks,
+            self.reserved_destination_blocks,
+            self.cached_free_blocks,
+            self.free_blocks,
+            self.total_blocks,
+            self.request_slots_used,
+            self.decode_headroom_tokens
+        )
+    }
+}
+
 impl KvCapacitySnapshot {
+    /// Whether every block is free or cached and no slot or headroom is held.
+    pub fn is_drained(&self) -> bool {
+        self.kv_used_blocks() == 0 && self.request_slots_used == 0 && self.decode_headroom_tokens == 0
+    }
+
     /// A fresh worker: everything free.
     pub fn empty(total_blocks: u64) -> Self {
         KvCapacitySnapshot { free_blocks: total_blocks, total_blocks, ..Default::default() }

@@ -50,7 +50,7 @@
 use crate::events::index::{read_record_at, records_around, RunLayout, Segment, SegmentKind, SegmentReader};
 use crate::events::{Fact, KvDelta, LogError, Record, RunReader, StreamHeader, TerminalStatus};
 use crate::ids::{CancelReason, EndReason, HandoffId, RequestId, Role, WorkerId};
-use crate::projections::at::{is_booking_fact, RouterBookings};
+use crate::projections::bookings::{is_booking_fact, BookingFold};
 use crate::projections::capacity::KvCapacitySnapshot;
 use crate::projections::handoffs::{HandoffEntry, HandoffLedger, HandoffOutcome};
 use serde::ser::SerializeStruct;
@@ -502,7 +502,7 @@ struct Track {
     worker: WorkerId,
     present: bool,
     capacity: KvCapacitySnapshot,
-    bookings: RouterBookings,
+    bookings: BookingFold,
     ring: VecDeque<RecRef>,
     ring_cap: usize,
     last: Option<Location>,
@@ -530,7 +530,7 @@ impl Track {
                 Some(i) => KvCapacitySnapshot::empty(layout.headers[i].engine.total_blocks as u64),
                 None => KvCapacitySnapshot::default(),
             },
-            bookings: RouterBookings::new(),
+            bookings: BookingFold::new(),
             ring: VecDeque::with_capacity(ring_cap + 1),
             ring_cap,
             last: None,
@@ -586,7 +586,7 @@ impl Track {
             return "no stream".into();
         }
         if self.worker.role == Role::Router {
-            let (p, d) = self.bookings.open_bookings();
+            let (p, d) = self.bookings.in_flight();
             format!("{p} prefill and {d} decode bookings open")
         } else {
             let s = &self.capacity;

@@ -14,9 +14,11 @@ pub mod metrics;
 
 pub use metrics::{MetricsFold, MetricsReport, PerRequest, PerRequestSink};
 pub mod at;
+pub mod bookings;
 pub mod compare;
 pub mod decode_stalls;
 pub mod diff;
 pub mod inspect;
 pub mod run;
 pub mod timeline;
+pub mod worker;

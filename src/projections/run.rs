@@ -1,11 +1,13 @@
 //! Folds over a whole run (a directory of streams or a merged file), in merge order.
 
-use crate::events::{LogError, RunReader};
+use crate::events::{LogError, Record, RunReader};
 use crate::ids::{Role, WorkerId};
+use crate::projections::bookings::BookingViolation;
 use crate::projections::capacity::{CapacityViolation, KvCapacitySnapshot};
 use crate::projections::handoffs::HandoffLedger;
 use crate::projections::metrics::{MetricsFold, MetricsReport};
-use crate::projections::scheduler::{SchedulerFold, ViewViolation};
+use crate::projections::scheduler::ViewViolation;
+use crate::projections::worker::{WorkerFold, WorkerViolation};
 use crate::schedulers::SchedulerView;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -19,6 +21,20 @@ pub enum ProjectError {
     Capacity { worker: WorkerId, seq: u64, at_ms: f64, violation: CapacityViolation },
     #[error("{worker} record seq {seq} (t={at_ms:.3} ms): {violation}")]
     View { worker: WorkerId, seq: u64, at_ms: f64, violation: ViewViolation },
+    #[error("{worker} record seq {seq} (t={at_ms:.3} ms): router bookings: {violation}")]
+    Booking { worker: WorkerId, seq: u64, at_ms: f64, violation: BookingViolation },
+}
+
+impl ProjectError {
+    /// `violation` of `worker`'s record `rec`, located.
+    pub fn located(worker: WorkerId, rec: &Record, violation: WorkerViolation) -> Self {
+        let (seq, at_ms) = (rec.seq, rec.at_ns as f64 / 1e6);
+        match violation {
+            WorkerViolation::Capacity(violation) => ProjectError::Capacity { worker, seq, at_ms, violation },
+            WorkerViolation::View(violation) => ProjectError::View { worker, seq, at_ms, violation },
+            WorkerViolation::Booking(violation) => ProjectError::Booking { worker, seq, at_ms, violation },
+        }
+    }
 }
 
 /// A peak and when it was first reached.
@@ -53,42 +69,41 @@ pub struct CapacityRow {
 /// overdraw a class, naming the record.
 pub fn project_capacity(run: &mut RunReader) -> Result<Vec<CapacityRow>, ProjectError> {
     let headers = run.headers().to_vec();
-    let mut rows: Vec<Option<CapacityRow>> = headers
+    let mut rows: Vec<Option<(WorkerFold, CapacityRow)>> = headers
         .iter()
         .map(|h| {
-            (h.worker.role != Role::Router).then(|| CapacityRow {
-                worker: h.worker,
-                last: KvCapacitySnapshot::empty(h.engine.total_blocks as u64),
-                peak_active: Peak::default(),
-                peak_pinned_source: Peak::default(),
-                peak_reserved_destination: Peak::default(),
-                peak_kv_used: Peak::default(),
-                transitions: 0,
+            (h.worker.role != Role::Router).then(|| {
+                let fold = WorkerFold::new(h).without_queues();
+                let row = CapacityRow {
+                    worker: h.worker,
+                    last: fold.capacity,
+                    peak_active: Peak::default(),
+                    peak_pinned_source: Peak::default(),
+                    peak_reserved_destination: Peak::default(),
+                    peak_kv_used: Peak::default(),
+                    transitions: 0,
+                };
+                (fold, row)
             })
         })
         .collect();
     while let Some((i, rec)) = run.next()? {
-        let Some(row) = rows[i].as_mut() else {
+        let Some((fold, row)) = rows[i].as_mut() else {
             continue;
         };
-        let d = rec.fact.kv_delta();
-        if d.is_zero() {
+        let change = fold.apply(&rec).map_err(|v| ProjectError::located(row.worker, &rec, v))?;
+        if change.delta.is_zero() {
             continue;
         }
-        row.last.apply(&d).map_err(|violation| ProjectError::Capacity {
-            worker: row.worker,
-            seq: rec.seq,
-            at_ms: rec.at_ns as f64 / 1e6,
-            violation,
-        })?;
         row.transitions += 1;
-        let s = row.last;
+        let s = fold.capacity;
+        row.last = s;
         row.peak_active.see(s.active_blocks, rec.at_ns);
         row.peak_pinned_source.see(s.pinned_source_blocks, rec.at_ns);
         row.peak_reserved_destination.see(s.reserved_destination_blocks, rec.at_ns);
         row.peak_kv_used.see(s.kv_used_blocks(), rec.at_ns);
     }
-    Ok(rows.into_iter().flatten().collect())
+    Ok(rows.into_iter().flatten().map(|(_, row)| row).collect())
 }
 
 /// The handoff ledger of a run.
@@ -103,25 +118,14 @@ pub fn project_handoffs(run: &mut RunReader) -> Result<HandoffLedger, ProjectErr
 
 /// Every engine stream's final scheduler view.
 pub fn project_scheduler(run: &mut RunReader) -> Result<BTreeMap<WorkerId, SchedulerView>, ProjectError> {
-    let workers: Vec<WorkerId> = run.headers().iter().map(|h| h.worker).collect();
-    let mut folds: Vec<SchedulerFold> = workers.iter().map(|_| SchedulerFold::new()).collect();
+    let mut folds: Vec<WorkerFold> = run.headers().iter().map(WorkerFold::new).collect();
     while let Some((i, rec)) = run.next()? {
-        if workers[i].role == Role::Router {
-            continue;
+        let fold = &mut folds[i];
+        if !fold.is_router() {
+            fold.apply(&rec).map_err(|v| ProjectError::located(fold.worker, &rec, v))?;
         }
-        folds[i].apply(&rec.fact).map_err(|violation| ProjectError::View {
-            worker: workers[i],
-            seq: rec.seq,
-            at_ms: rec.at_ns as f64 / 1e6,
-            violation,
-        })?;
     }
-    Ok(workers
-        .into_iter()
-        .zip(folds)
-        .filter(|(w, _)| w.role != Role::Router)
-        .map(|(w, f)| (w, f.view()))
-        .collect())
+    Ok(folds.into_iter().filter(|f| !f.is_router()).map(|f| (f.worker, f.view())).collect())
 }
 
 /// The serving metrics and stranding figures of a run, exactly as the replay reported them.

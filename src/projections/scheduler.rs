@@ -24,6 +24,15 @@ enum Phase {
     Running,
 }
 
+/// Where a request is, for violation messages.
+fn phase_text(phase: Option<&Phase>) -> &'static str {
+    match phase {
+        Some(Phase::Waiting) => "waiting",
+        Some(Phase::Running) => "running",
+        None => "not queued",
+    }
+}
+
 /// A fact the fold could not place (the stream contradicts itself).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("scheduler view: {0}")]
@@ -67,14 +76,14 @@ impl SchedulerFold {
                     *p = Phase::Running;
                     self.running += 1;
                 }
-                other => return err(format!("{request} scheduled while {other:?}")),
+                other => return err(format!("{request} scheduled while {}", phase_text(other.as_deref()))),
             },
             Fact::RequestPreempted { request, .. } => match self.requests.get_mut(request) {
                 Some(p @ Phase::Running) => {
                     *p = Phase::Waiting;
                     self.running -= 1;
                 }
-                other => return err(format!("{request} preempted while {other:?}")),
+                other => return err(format!("{request} preempted while {}", phase_text(other.as_deref()))),
             },
             Fact::RequestFinished { request, .. } | Fact::RequestRejected { request, .. }
                 if self.requests.remove(request) == Some(Phase::Running) =>

@@ -1,4 +1,5 @@
-//! Router bookings, per the proposal's accounting table, and their fold over the router stream.
+//! Router bookings, per the proposal's accounting table (their fold over the router stream is
+//! [`crate::projections::bookings::BookingFold`]).
 //!
 //! * Prefill stage: `book_prefill` at dispatch adds compute load (active prefill tokens) and a
 //!   block booking; `prefill_compute_done` drops the compute load but keeps the booking (the
@@ -16,7 +17,7 @@ use crate::ids::{RequestId, WorkerId};
 use std::collections::BTreeMap;
 
 /// What the router has booked on one worker.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct WorkerLoad {
     /// Prompt tokens of prefills dispatched here whose compute has not finished.
     pub active_prefill_tokens: u64,
@@ -168,103 +169,5 @@ impl BookingLedger {
         self.load_mut(b.worker).decode_blocks -= u64::from(b.blocks);
         self.drop_zero(b.worker);
         Some(Fact::DecodeBookingFreed { request, worker: b.worker, status })
-    }
-}
-
-/// A router-stream fact that contradicts the bookings folded so far.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("router fold: {0}")]
-pub struct RouterFoldViolation(pub String);
-
-/// The bookings projection over a router stream. After folding every fact a [`super::Router`]
-/// returned, its loads equal the router's own.
-///
-/// Written independently of [`BookingLedger`] (it recomputes a worker's load from the live
-/// bookings it holds rather than keeping running sums), so a test comparing the two checks both
-/// the facts' content and the router's arithmetic. Memory: one entry per booking in flight.
-#[derive(Clone, Debug, Default)]
-pub struct RouterFold {
-    /// request → (worker, prefill tokens, blocks, compute done)
-    prefill: BTreeMap<RequestId, (WorkerId, u32, u32, bool)>,
-    /// request → (worker, blocks)
-    decode: BTreeMap<RequestId, (WorkerId, u32)>,
-}
-
-impl RouterFold {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Folds one fact. Booking facts must be consistent (booked once, freed once, by the worker
-    /// that holds the booking); other facts are ignored.
-    pub fn apply(&mut self, fact: &Fact) -> Result<(), RouterFoldViolation> {
-        let bad = |m: String| Err(RouterFoldViolation(m));
-        match fact {
-            Fact::PrefillBooked { request, worker, prefill_tokens, blocks } => {
-                if self.prefill.contains_key(request) {
-                    return bad(format!("{request}: prefill booked twice"));
-                }
-                self.prefill.insert(*request, (*worker, *prefill_tokens, *blocks, false));
-            }
-            Fact::PrefillComputeDone { request, worker } => match self.prefill.get_mut(request) {
-                Some((w, _, _, done)) if w == worker => {
-                    if *done {
-                        return bad(format!("{request}: prefill compute done twice"));
-                    }
-                    *done = true;
-                }
-                _ => {
-                    return bad(format!(
-                        "{request}: compute done on {worker}, which holds no prefill booking for it"
-                    ))
-                }
-            },
-            Fact::PrefillBookingFreed { request, worker } => match self.prefill.get(request) {
-                Some((w, ..)) if w == worker => {
-                    self.prefill.remove(request);
-                }
-                _ => return bad(format!("{request}: prefill booking freed on {worker}, which holds none")),
-            },
-            Fact::DecodeBooked { request, worker, blocks } => {
-                if self.decode.contains_key(request) {
-                    return bad(format!("{request}: decode booked twice"));
-                }
-                self.decode.insert(*request, (*worker, *blocks));
-            }
-            Fact::DecodeBookingFreed { request, worker, .. } => match self.decode.get(request) {
-                Some((w, _)) if w == worker => {
-                    self.decode.remove(request);
-                }
-                _ => return bad(format!("{request}: decode booking freed on {worker}, which holds none")),
-            },
-            _ => {}
-        }
-        Ok(())
-    }
-
-    /// Every worker with a non-zero load, in worker order. O(bookings in flight).
-    pub fn loads(&self) -> BTreeMap<WorkerId, WorkerLoad> {
-        let mut out: BTreeMap<WorkerId, WorkerLoad> = BTreeMap::new();
-        for (w, tokens, blocks, done) in self.prefill.values() {
-            let l = out.entry(*w).or_default();
-            if !done {
-                l.active_prefill_tokens += u64::from(*tokens);
-            }
-            l.prefill_blocks += u64::from(*blocks);
-        }
-        for (w, blocks) in self.decode.values() {
-            out.entry(*w).or_default().decode_blocks += u64::from(*blocks);
-        }
-        out.retain(|_, l| !l.is_zero());
-        out
-    }
-
-    pub fn load(&self, worker: WorkerId) -> WorkerLoad {
-        self.loads().get(&worker).copied().unwrap_or_default()
-    }
-
-    /// Requests holding a prefill booking / a decode booking.
-    pub fn in_flight(&self) -> (usize, usize) {
-        (self.prefill.len(), self.decode.len())
     }
 }

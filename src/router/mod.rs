@@ -32,7 +32,7 @@ pub mod bookings;
 pub mod index;
 pub mod select;
 
-pub use bookings::{BookingError, BookingLedger, RouterFold, RouterFoldViolation, WorkerLoad};
+pub use bookings::{BookingError, BookingLedger, WorkerLoad};
 pub use index::KvIndex;
 pub use select::RouterMode;
 

@@ -5,14 +5,15 @@ use crate::out::Out;
 use crate::CliError;
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
 use handoff_ledger::events::index::{IndexError, IndexStatus, RunIndex};
-use handoff_ledger::projections::at::{parse_time, state_at, AtReport, StreamFold};
+use handoff_ledger::projections::at::{parse_time, state_at, AtReport};
+use handoff_ledger::projections::worker::WorkerFold;
 use std::path::Path;
 
 pub fn run(log: &Path, time: &str, json: bool) -> Result<u8, CliError> {
     let t_ns = parse_time(time).map_err(|e| CliError::new(2, format!("--time: {e}")))?;
     // An index is used when present, and only after it was checked against the run.
     let index = if RunIndex::exists(log) {
-        match RunIndex::open_or_rebuild::<StreamFold>(log) {
+        match RunIndex::open_or_rebuild::<WorkerFold>(log) {
             Ok((idx, status)) => {
                 if let IndexStatus::Rebuilt(why) = &status {
                     eprintln!("handoff-log: index was stale and has been rebuilt ({why})");

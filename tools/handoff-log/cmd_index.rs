@@ -7,7 +7,7 @@ use handoff_ledger::events::index::{IndexError, IndexStatus, RunIndex};
 use handoff_ledger::events::Record;
 use handoff_ledger::events::{RunLayout, SegmentReader};
 use handoff_ledger::ids::{HandoffId, WorkerId};
-use handoff_ledger::projections::at::StreamFold;
+use handoff_ledger::projections::worker::WorkerFold;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::Path;
@@ -47,7 +47,7 @@ impl Progress {
 pub fn run(run: &Path, json: bool) -> Result<u8, CliError> {
     let p = Progress::new("indexing");
     let started = std::time::Instant::now();
-    let (idx, status) = RunIndex::open_or_rebuild_with::<StreamFold>(run, &mut |n| p.set(n))?;
+    let (idx, status) = RunIndex::open_or_rebuild_with::<WorkerFold>(run, &mut |n| p.set(n))?;
     p.done();
     let meta = idx.meta();
     let status_text = match &status {
@@ -100,7 +100,7 @@ pub fn indexed_show(
     if (handoff.is_none() && worker.is_none()) || !RunIndex::exists(log) {
         return Ok(false);
     }
-    let (idx, status) = match RunIndex::open_or_rebuild::<StreamFold>(log) {
+    let (idx, status) = match RunIndex::open_or_rebuild::<WorkerFold>(log) {
         Ok(x) => x,
         Err(e @ IndexError::Busy { .. }) => {
             eprintln!("handoff-log: {e}; reading without it");
@@ -123,7 +123,7 @@ pub fn indexed_show(
                 // The postings part is damaged: never trust it, rebuild and ask again.
                 eprintln!("handoff-log: {e}; rebuilding the index");
                 drop(idx);
-                let rebuilt = RunIndex::build::<StreamFold>(log)?;
+                let rebuilt = RunIndex::build::<WorkerFold>(log)?;
                 let p = rebuilt.offsets_for_handoff(h)?;
                 return emit_postings(&rebuilt, &p, &workers, worker, emit);
             }
