@@ -6,6 +6,7 @@ mod e2e_support;
 use e2e_support::{cli, fixture, replay};
 use handoff_ledger::events::{Fact, MessageKind, RunReader, TerminalStatus};
 use handoff_ledger::ids::{EndReason, HandoffId, RequestId, Role, WorkerId};
+use handoff_ledger::lifecycle::policy::Milestone;
 use handoff_ledger::projections::run::{project_capacity, project_handoffs};
 use predicates::prelude::*;
 use serde_json::Value;
@@ -149,12 +150,12 @@ fn vllm_pins_first_then_reserves_activates_and_releases_in_that_order() {
         assert_eq!(
             e.normalized(),
             [
-                "SourceHeld",
-                "DestinationAccepted",
-                "DestinationReserved",
-                "DestinationActivated",
-                "SourceReleased",
-                "Completed"
+                Milestone::SourceHeld,
+                Milestone::DestinationAccepted,
+                Milestone::DestinationReserved,
+                Milestone::DestinationActivated,
+                Milestone::SourceReleased,
+                Milestone::Completed
             ],
             "{h}"
         );

@@ -34,24 +34,59 @@ pub fn initiating_role(policy: HandoffPolicy) -> Option<Role> {
     }
 }
 
-/// The milestones of a successful handoff, across both roles' streams.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// The one vocabulary of handoff milestones, across both roles' streams: the policy's expected
+/// order ([`expected_order`]), the ledger's normalized sequence
+/// ([`crate::projections::handoffs::HandoffEntry::normalized`]), diff and the tests all use it.
+/// Names follow the reference's transition names (`SourceHeld` is the `SourcePinned` fact).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
 pub enum Milestone {
     PrefillDispatched,
-    SourcePinned,
+    /// The source pinned its KV for readers.
+    SourceHeld,
+    /// The router chose the destination.
+    DestinationAccepted,
     DestinationReserved,
     ReceiveStarted,
     DestinationActivated,
     /// The source pin ended on reader completion (a released-for-any-other-reason pin is not a
     /// milestone of a successful handoff).
     SourceReleased,
+    /// Both sides ended on success.
+    Completed,
 }
 
-/// The milestone a fact marks, if any.
+impl Milestone {
+    pub fn name(self) -> &'static str {
+        match self {
+            Milestone::PrefillDispatched => "PrefillDispatched",
+            Milestone::SourceHeld => "SourceHeld",
+            Milestone::DestinationAccepted => "DestinationAccepted",
+            Milestone::DestinationReserved => "DestinationReserved",
+            Milestone::ReceiveStarted => "ReceiveStarted",
+            Milestone::DestinationActivated => "DestinationActivated",
+            Milestone::SourceReleased => "SourceReleased",
+            Milestone::Completed => "Completed",
+        }
+    }
+
+    /// `a, b, c` (or with another separator).
+    pub fn join(milestones: &[Milestone], separator: &str) -> String {
+        milestones.iter().map(|m| m.name()).collect::<Vec<_>>().join(separator)
+    }
+}
+
+impl std::fmt::Display for Milestone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The milestone a fact marks in the policy's order, if any (routing and completion are not
+/// facts of one role; the ledger adds them).
 pub fn milestone(fact: &Fact) -> Option<Milestone> {
     match fact {
         Fact::PrefillDispatched { .. } => Some(Milestone::PrefillDispatched),
-        Fact::SourcePinned { .. } => Some(Milestone::SourcePinned),
+        Fact::SourcePinned { .. } => Some(Milestone::SourceHeld),
         Fact::DestinationReserved { .. } => Some(Milestone::DestinationReserved),
         Fact::ReceiveStarted { .. } => Some(Milestone::ReceiveStarted),
         Fact::DestinationActivated { .. } => Some(Milestone::DestinationActivated),
@@ -69,7 +104,7 @@ pub fn expected_order(policy: HandoffPolicy) -> &'static [Milestone] {
         HandoffPolicy::Disabled => &[],
         HandoffPolicy::SourceFirst => &[
             PrefillDispatched,
-            SourcePinned,
+            SourceHeld,
             DestinationReserved,
             ReceiveStarted,
             DestinationActivated,
@@ -78,7 +113,7 @@ pub fn expected_order(policy: HandoffPolicy) -> &'static [Milestone] {
         HandoffPolicy::DestinationFirst => &[
             DestinationReserved,
             PrefillDispatched,
-            SourcePinned,
+            SourceHeld,
             ReceiveStarted,
             DestinationActivated,
             SourceReleased,
@@ -126,7 +161,7 @@ mod tests {
         let d = HandoffPolicy::DestinationFirst;
         let s = HandoffPolicy::SourceFirst;
         assert!(pos(d, Milestone::DestinationReserved) < pos(d, Milestone::PrefillDispatched));
-        assert!(pos(s, Milestone::SourcePinned) < pos(s, Milestone::DestinationReserved));
+        assert!(pos(s, Milestone::SourceHeld) < pos(s, Milestone::DestinationReserved));
         for p in [s, d] {
             assert!(pos(p, Milestone::DestinationActivated) < pos(p, Milestone::SourceReleased));
         }

@@ -50,6 +50,7 @@
 use crate::events::index::{read_record_at, records_around, RunLayout, Segment, SegmentKind, SegmentReader};
 use crate::events::{Fact, KvDelta, LogError, Record, RunReader, StreamHeader, TerminalStatus};
 use crate::ids::{CancelReason, EndReason, HandoffId, RequestId, Role, WorkerId};
+use crate::lifecycle::policy::Milestone;
 use crate::projections::bookings::{is_booking_fact, BookingFold};
 use crate::projections::capacity::KvCapacitySnapshot;
 use crate::projections::handoffs::{HandoffEntry, HandoffLedger, HandoffOutcome};
@@ -820,7 +821,7 @@ impl std::fmt::Display for HKey {
 /// What is compared of a handoff.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct HandoffSig {
-    normalized: Vec<&'static str>,
+    normalized: Vec<Milestone>,
     outcome: HandoffOutcome,
     source: Option<WorkerId>,
     destination: Option<WorkerId>,
@@ -853,8 +854,8 @@ impl HandoffSig {
         if self.normalized != o.normalized {
             out.push(format!(
                 "sequence A [{}] vs B [{}]",
-                self.normalized.join(", "),
-                o.normalized.join(", ")
+                Milestone::join(&self.normalized, ", "),
+                Milestone::join(&o.normalized, ", ")
             ));
         }
         macro_rules! field {
@@ -1431,8 +1432,8 @@ fn report_handoff(acc: &mut Acc, k: &HKey, a: Option<&HDone>, b: Option<&HDone>)
             }
             a.sig.differences(&b.sig)
         }
-        (Some(a), None) => format!("only in A: [{}]", a.sig.normalized.join(", ")),
-        (None, Some(b)) => format!("only in B: [{}]", b.sig.normalized.join(", ")),
+        (Some(a), None) => format!("only in A: [{}]", Milestone::join(&a.sig.normalized, ", ")),
+        (None, Some(b)) => format!("only in B: [{}]", Milestone::join(&b.sig.normalized, ", ")),
         (None, None) => return,
     };
     acc.add(Candidate {

@@ -3,6 +3,7 @@
 
 use crate::events::{Fact, MessageKind, Record};
 use crate::ids::{CancelReason, EndReason, HandoffId, HandoffPolicy, RequestId, Role, WorkerId};
+use crate::lifecycle::policy::Milestone;
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -83,23 +84,22 @@ impl HandoffEntry {
     /// The ownership milestones in the order they happened, named as the reference names them:
     /// `SourceHeld`, `DestinationAccepted`, `DestinationReserved`, `DestinationActivated`,
     /// `SourceReleased`, then `Completed` when both sides ended on success.
-    pub fn normalized(&self) -> Vec<&'static str> {
-        let mut marks: Vec<(u64, u8, &'static str)> = Vec::new();
-        let mut push = |at: Option<u64>, rank: u8, name| {
-            if let Some(at) = at {
-                marks.push((at, rank, name));
-            }
-        };
-        push(self.pinned_at_ns, 0, "SourceHeld");
-        push(self.routed_at_ns, 1, "DestinationAccepted");
-        push(self.reserved_at_ns, 2, "DestinationReserved");
-        push(self.activated_at_ns, 3, "DestinationActivated");
-        push(self.source_released_at_ns, 4, "SourceReleased");
-        // Equal timestamps keep the lifecycle's own order.
-        marks.sort_by_key(|(at, rank, _)| (*at, *rank));
-        let mut out: Vec<&'static str> = marks.into_iter().map(|(_, _, n)| n).collect();
+    pub fn normalized(&self) -> Vec<Milestone> {
+        let mut marks: Vec<(u64, Milestone)> = [
+            (self.pinned_at_ns, Milestone::SourceHeld),
+            (self.routed_at_ns, Milestone::DestinationAccepted),
+            (self.reserved_at_ns, Milestone::DestinationReserved),
+            (self.activated_at_ns, Milestone::DestinationActivated),
+            (self.source_released_at_ns, Milestone::SourceReleased),
+        ]
+        .into_iter()
+        .filter_map(|(at, m)| Some((at?, m)))
+        .collect();
+        // Equal timestamps keep the lifecycle's own order (the enum's).
+        marks.sort();
+        let mut out: Vec<Milestone> = marks.into_iter().map(|(_, m)| m).collect();
         if self.outcome() == HandoffOutcome::Completed {
-            out.push("Completed");
+            out.push(Milestone::Completed);
         }
         out
     }
@@ -291,15 +291,8 @@ mod tests {
         let e = l.get(&id).unwrap();
         assert_eq!(e.outcome(), HandoffOutcome::Completed);
         assert_eq!(
-            e.normalized(),
-            [
-                "SourceHeld",
-                "DestinationAccepted",
-                "DestinationReserved",
-                "DestinationActivated",
-                "SourceReleased",
-                "Completed"
-            ]
+            Milestone::join(&e.normalized(), " "),
+            "SourceHeld DestinationAccepted DestinationReserved DestinationActivated SourceReleased Completed"
         );
         assert_eq!(e.pinned_ns(100), Some(4));
         assert_eq!((e.source, e.destination), (Some(p), Some(d)));
@@ -339,6 +332,6 @@ mod tests {
         );
         let e = l.get(&id).unwrap();
         assert_eq!(e.outcome(), HandoffOutcome::LeaseExpired);
-        assert_eq!(e.normalized(), ["SourceHeld", "SourceReleased"]);
+        assert_eq!(e.normalized(), [Milestone::SourceHeld, Milestone::SourceReleased]);
     }
 }

@@ -91,6 +91,7 @@
 
 use crate::events::{Fact, MessageKind, Record, RejectReason, RunReader, StreamHeader};
 use crate::ids::{CancelReason, EndReason, HandoffId, HandoffPolicy, RequestId, Role, WorkerId};
+use crate::lifecycle::policy::Milestone;
 use crate::projections::capacity::KvCapacitySnapshot;
 use crate::projections::decode_stalls::DecodeWatch;
 pub use crate::projections::decode_stalls::{
@@ -317,7 +318,7 @@ pub struct PinnedHandoff {
     pub still_pinned: bool,
     pub pinned_blocks: u32,
     pub outcome: String,
-    pub normalized: Vec<&'static str>,
+    pub normalized: Vec<Milestone>,
     pub timeline: Vec<TimelineStep>,
 }
 

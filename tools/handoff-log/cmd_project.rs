@@ -4,6 +4,7 @@ use crate::out::Out;
 use crate::CliError;
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
 use handoff_ledger::events::RunReader;
+use handoff_ledger::lifecycle::policy::Milestone;
 use handoff_ledger::projections::run::{
     project_capacity, project_handoffs, project_metrics, project_scheduler,
 };
@@ -282,7 +283,7 @@ pub fn run(log: &Path, what: Projection, json_out: bool, csv: bool) -> Result<u8
                         format!("{:?}", e.outcome()),
                         e.pinned_ns(end).map(ms).unwrap_or_default(),
                         e.pinned_blocks.to_string(),
-                        e.normalized().join(" → "),
+                        Milestone::join(&e.normalized(), " → "),
                     ]);
                 }
                 out.line(&t.to_string())?;
