@@ -1,11 +1,13 @@
 //! End-to-end tests of `handoff-log verify | show | project` on a scripted source-first handoff
 //! written with the library's own writer.
 
-use assert_cmd::Command;
+mod support;
+
 use handoff_ledger::events::{EngineShape, Fact, KvDelta, RunWriter, StreamHeader, TerminalStatus};
 use handoff_ledger::ids::*;
 use predicates::prelude::*;
 use std::path::Path;
+use support::{cli, ms};
 
 const HANDOFF: u128 = 0x1234_5678_9abc_4def_8123_4567_89ab_cdef;
 
@@ -39,7 +41,6 @@ fn write_scenario(dir: &Path) {
     let res = DestinationReservationId(1);
     let mut w = RunWriter::create(dir, [header(p, 16), header(d, 16), header(r, 0)]).unwrap();
     let z = KvDelta::ZERO;
-    let ms = |v: u64| v * 1_000_000;
     w.append(r, 0, &Fact::RequestArrived { request: req, input_tokens: 256, output_tokens: 8 }).unwrap();
     w.append(r, 0, &Fact::PrefillBooked { request: req, worker: p, prefill_tokens: 256, blocks: 4 }).unwrap();
     w.append(
@@ -142,10 +143,6 @@ fn write_scenario(dir: &Path) {
     )
     .unwrap();
     w.finish().unwrap();
-}
-
-fn cli() -> Command {
-    Command::cargo_bin("handoff-log").unwrap()
 }
 
 #[test]
@@ -346,11 +343,7 @@ fn recover_truncates_only_the_torn_tail() {
 #[test]
 fn completions_are_printed_for_each_shell() {
     for shell in ["bash", "zsh", "fish"] {
-        let o = assert_cmd::Command::cargo_bin("handoff-log")
-            .unwrap()
-            .args(["completions", shell])
-            .output()
-            .unwrap();
+        let o = cli().args(["completions", shell]).output().unwrap();
         assert!(o.status.success(), "{shell}");
         let text = String::from_utf8_lossy(&o.stdout);
         assert!(
@@ -358,10 +351,6 @@ fn completions_are_printed_for_each_shell() {
             "{shell}"
         );
     }
-    let o = assert_cmd::Command::cargo_bin("handoff-log")
-        .unwrap()
-        .args(["completions", "tcsh"])
-        .output()
-        .unwrap();
+    let o = cli().args(["completions", "tcsh"]).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
 }

@@ -2,11 +2,11 @@
 //! cascade run (with its trigger) and not on the healthy one; destination gating is reported
 //! as its own finding; text and JSON are pinned by snapshots.
 
-mod inspect_support;
+mod support;
 
 use assert_cmd::Command;
-use inspect_support::{fixtures_dir, scripted};
 use std::path::Path;
+use support::scripted::{fixtures_dir, scripted};
 
 fn inspect(run: &Path, extra: &[&str]) -> String {
     let out =

@@ -10,12 +10,15 @@
 //! preemptions), and hand-built decode streams fed to the fold whose storms and blocked
 //! stretches are known to the millisecond.
 
+mod support;
+
 use assert_cmd::Command;
 use handoff_ledger::events::{EngineShape, Fact, KvDelta, Record, RunReader, StreamHeader, TerminalStatus};
 use handoff_ledger::ids::*;
 use handoff_ledger::projections::inspect::{InspectFold, InspectOptions, InspectReport};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use support::NS_PER_MS as MS;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -256,7 +259,6 @@ fn a_thrashing_decode_worker_has_the_preemption_storms_a_scan_finds() {
     assert!(text.contains(&headline), "{headline}\n{text}");
 }
 
-const MS: u64 = 1_000_000;
 const Z: KvDelta = KvDelta::ZERO;
 
 fn decode_header(total_blocks: u32) -> StreamHeader {

@@ -5,9 +5,8 @@
 //! Regenerate (only when deliberately starting a new format version):
 //! `REGENERATE_GOLDEN=1 cargo test --test log_golden`
 
-mod common;
+mod support;
 
-use common::{golden_appended_facts, golden_facts, golden_header, ordinal, FACT_VARIANTS};
 use handoff_ledger::events::{
     write_merged, EngineShape, Fact, KvDelta, Record, RunKind, RunReader, RunWriter, StreamHeader,
     StreamReader, StreamWriter,
@@ -17,10 +16,11 @@ use handoff_ledger::ids::{
     SourceLeaseId, WorkerId,
 };
 use std::path::PathBuf;
+use support::log::{golden_appended_facts, golden_facts, golden_header, ordinal, FACT_VARIANTS};
 use uuid::Uuid;
 
 fn golden_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/golden/v1")
+    support::fixture("golden/v1")
 }
 
 fn regenerate() -> bool {
@@ -133,7 +133,7 @@ const R: WorkerId = WorkerId::ROUTER;
 
 /// Three small streams of one source-first handoff, as each worker wrote them.
 fn run_streams() -> Vec<(StreamHeader, Vec<(u64, Fact)>)> {
-    let h = common::h(0x11);
+    let h = support::log::h(0x11);
     let req = RequestId(1);
     let kv = |active, pinned, reserved, free| KvDelta {
         active,

@@ -4,15 +4,15 @@
 //! (computed here directly from the records). With forced downsampling, a drawn value is the
 //! fold's value at some instant of the bucket holding the sampled instant.
 
-mod inspect_support;
+mod support;
 
 use assert_cmd::Command;
 use handoff_ledger::events::{Fact, RunReader};
 use handoff_ledger::ids::{Role, WorkerId};
 use handoff_ledger::projections::{KvCapacitySnapshot, SchedulerFold};
-use inspect_support::{fixtures_dir, scripted};
 use std::collections::BTreeMap;
 use std::path::Path;
+use support::scripted::{fixtures_dir, scripted};
 
 /// Every engine worker's folded state at each settled instant: (at_ns, [5 classes, booked],
 /// [5 queues]).

@@ -1,6 +1,5 @@
 //! Shared test support for the log tests: a proptest strategy for every `Fact` variant, fixed
 //! headers, and the golden fact list.
-#![allow(dead_code)]
 
 use handoff_ledger::events::{
     EngineShape, Fact, KvDelta, MessageKind, MessageRejection, RejectReason, StreamHeader, TerminalStatus,
