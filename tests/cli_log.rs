@@ -291,6 +291,39 @@ fn project_refuses_a_run_whose_deltas_break_conservation() {
         .stderr(predicate::str::contains("prefill-0 record seq 0"));
 }
 
+/// A contradiction is told in words (what the delta moves, the state it met), not as Rust
+/// `Debug` of the structs.
+#[test]
+fn contradictions_are_told_in_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = WorkerId::prefill(0);
+    let mut w = RunWriter::create(dir.path(), [header(p, 4)]).unwrap();
+    let kv = KvDelta { free: -5, active: 5, slots: 1, ..KvDelta::ZERO };
+    w.append(p, 7, &Fact::RequestScheduled { request: RequestId(3), cached_tokens: 0, kv }).unwrap();
+    w.finish().unwrap();
+    let o = cli().arg("project").arg(dir.path()).arg("capacity").output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(
+            "prefill-0 record seq 0 (t=0.000 ms): capacity delta active+5,free-5,slots+1 applied to \
+             active=0 pinned=0 reserved=0 cached_free=0 free=4 total=4 slots=0 headroom=0"
+        ),
+        "{err}"
+    );
+    assert!(!err.contains("KvDelta") && !err.contains('{'), "{err}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = RunWriter::create(dir.path(), [header(p, 4)]).unwrap();
+    w.append(p, 7, &Fact::RequestPreempted { request: RequestId(3), kv: KvDelta::ZERO }).unwrap();
+    w.finish().unwrap();
+    let o = cli().arg("project").arg(dir.path()).arg("scheduler").output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("r3 preempted while not queued"), "{err}");
+    assert!(!err.contains("None") && !err.contains("Some("), "{err}");
+}
+
 #[test]
 fn every_command_has_help() {
     for c in ["verify", "show", "project", "replay"] {
