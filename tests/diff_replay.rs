@@ -16,7 +16,7 @@ use support::generator::{rewrite, Edit};
 const TRACE: &str = "fixtures/traces/mooncake-200.jsonl";
 
 fn bin() -> Command {
-    let mut c = Command::cargo_bin("handoff-log").unwrap();
+    let mut c = support::cli();
     c.current_dir(env!("CARGO_MANIFEST_DIR"));
     c
 }

@@ -6,7 +6,6 @@
 
 mod support;
 
-use assert_cmd::Command;
 use handoff_ledger::events::{Fact, TerminalStatus};
 use handoff_ledger::ids::{HandoffPolicy, RequestId, WorkerId};
 use std::path::Path;
@@ -47,8 +46,7 @@ fn regenerate_fixture_runs() {
 }
 
 fn diff(a: &str, b: &str, extra: &[&str]) -> (i32, String) {
-    let out = Command::cargo_bin("handoff-log")
-        .unwrap()
+    let out = support::cli()
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .args(["diff", a, b])
         .args(extra)
