@@ -8,7 +8,7 @@
 //! The 10-million-fact figures come from the CLI on runs written by the ignored test
 //! `tests/diff_scale.rs` (see there), measured with `/usr/bin/time -v` for peak RSS.
 
-#[path = "../tests/diff_support.rs"]
+#[path = "../tests/support/mod.rs"]
 mod support;
 
 use criterion::{black_box, Criterion, Throughput};
@@ -18,7 +18,7 @@ use handoff_ledger::projections::at::state_at;
 use handoff_ledger::projections::diff::{diff_runs, DiffOptions};
 use handoff_ledger::projections::run::project_capacity;
 use handoff_ledger::projections::worker::WorkerFold;
-use support::{generate, GenConfig};
+use support::generator::{generate, GenConfig};
 
 fn main() {
     let requests: u64 =

@@ -1,6 +1,5 @@
 //! `at` agrees with folding the whole log up to T, with and without an index, on both layouts.
 
-#[path = "diff_support.rs"]
 mod support;
 
 use handoff_ledger::events::index::RunIndex;
@@ -13,7 +12,7 @@ use handoff_ledger::projections::worker::WorkerFold;
 use proptest::prelude::*;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use support::{generate, GenConfig};
+use support::generator::{generate, GenConfig};
 
 struct Fixture {
     _dir: tempfile::TempDir,

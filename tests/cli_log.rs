@@ -1,11 +1,14 @@
 //! End-to-end tests of `handoff-log verify | show | project` on a scripted source-first handoff
-//! written with the library's own writer.
+//! written with the library's own writer; and every read command on every run committed under
+//! `fixtures/`.
 
-use assert_cmd::Command;
+mod support;
+
 use handoff_ledger::events::{EngineShape, Fact, KvDelta, RunWriter, StreamHeader, TerminalStatus};
 use handoff_ledger::ids::*;
 use predicates::prelude::*;
 use std::path::Path;
+use support::{cli, ms};
 
 const HANDOFF: u128 = 0x1234_5678_9abc_4def_8123_4567_89ab_cdef;
 
@@ -39,7 +42,6 @@ fn write_scenario(dir: &Path) {
     let res = DestinationReservationId(1);
     let mut w = RunWriter::create(dir, [header(p, 16), header(d, 16), header(r, 0)]).unwrap();
     let z = KvDelta::ZERO;
-    let ms = |v: u64| v * 1_000_000;
     w.append(r, 0, &Fact::RequestArrived { request: req, input_tokens: 256, output_tokens: 8 }).unwrap();
     w.append(r, 0, &Fact::PrefillBooked { request: req, worker: p, prefill_tokens: 256, blocks: 4 }).unwrap();
     w.append(
@@ -142,10 +144,6 @@ fn write_scenario(dir: &Path) {
     )
     .unwrap();
     w.finish().unwrap();
-}
-
-fn cli() -> Command {
-    Command::cargo_bin("handoff-log").unwrap()
 }
 
 #[test]
@@ -293,6 +291,39 @@ fn project_refuses_a_run_whose_deltas_break_conservation() {
         .stderr(predicate::str::contains("prefill-0 record seq 0"));
 }
 
+/// A contradiction is told in words (what the delta moves, the state it met), not as Rust
+/// `Debug` of the structs.
+#[test]
+fn contradictions_are_told_in_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = WorkerId::prefill(0);
+    let mut w = RunWriter::create(dir.path(), [header(p, 4)]).unwrap();
+    let kv = KvDelta { free: -5, active: 5, slots: 1, ..KvDelta::ZERO };
+    w.append(p, 7, &Fact::RequestScheduled { request: RequestId(3), cached_tokens: 0, kv }).unwrap();
+    w.finish().unwrap();
+    let o = cli().arg("project").arg(dir.path()).arg("capacity").output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(
+            "prefill-0 record seq 0 (t=0.000 ms): capacity delta active+5,free-5,slots+1 applied to \
+             active=0 pinned=0 reserved=0 cached_free=0 free=4 total=4 slots=0 headroom=0"
+        ),
+        "{err}"
+    );
+    assert!(!err.contains("KvDelta") && !err.contains('{'), "{err}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = RunWriter::create(dir.path(), [header(p, 4)]).unwrap();
+    w.append(p, 7, &Fact::RequestPreempted { request: RequestId(3), kv: KvDelta::ZERO }).unwrap();
+    w.finish().unwrap();
+    let o = cli().arg("project").arg(dir.path()).arg("scheduler").output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("r3 preempted while not queued"), "{err}");
+    assert!(!err.contains("None") && !err.contains("Some("), "{err}");
+}
+
 #[test]
 fn every_command_has_help() {
     for c in ["verify", "show", "project", "replay"] {
@@ -346,11 +377,7 @@ fn recover_truncates_only_the_torn_tail() {
 #[test]
 fn completions_are_printed_for_each_shell() {
     for shell in ["bash", "zsh", "fish"] {
-        let o = assert_cmd::Command::cargo_bin("handoff-log")
-            .unwrap()
-            .args(["completions", shell])
-            .output()
-            .unwrap();
+        let o = cli().args(["completions", shell]).output().unwrap();
         assert!(o.status.success(), "{shell}");
         let text = String::from_utf8_lossy(&o.stdout);
         assert!(
@@ -358,10 +385,129 @@ fn completions_are_printed_for_each_shell() {
             "{shell}"
         );
     }
-    let o = assert_cmd::Command::cargo_bin("handoff-log")
-        .unwrap()
-        .args(["completions", "tcsh"])
-        .output()
-        .unwrap();
+    let o = cli().args(["completions", "tcsh"]).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
+}
+
+// ----- every committed run, every read command -----
+
+/// The runs committed under `fixtures/`, found by walking it (so a new fixture is covered
+/// without naming it here): under `fixtures/golden/` every `.hlog` / `.hrun` file is a run of
+/// its own; elsewhere a directory holding `.hlog` streams is a run directory, and a `.hrun`
+/// file a merged run.
+fn committed_runs() -> Vec<std::path::PathBuf> {
+    fn walk(dir: &Path, golden: bool, out: &mut Vec<std::path::PathBuf>) {
+        let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+        entries.sort();
+        let ext = |p: &Path, e: &str| p.extension().is_some_and(|x| x == e);
+        let mut is_run_dir = false;
+        for p in entries {
+            if p.is_dir() {
+                walk(&p, golden || p.file_name().is_some_and(|n| n == "golden"), out);
+            } else if ext(&p, "hrun") || (golden && ext(&p, "hlog")) {
+                out.push(p);
+            } else if ext(&p, "hlog") {
+                is_run_dir = true;
+            }
+        }
+        if is_run_dir {
+            out.push(dir.to_path_buf());
+        }
+    }
+    let mut out = Vec::new();
+    walk(&support::fixture(""), false, &mut out);
+    out.sort();
+    out
+}
+
+/// The projections `handoff-log project --help` offers (its "Possible values" list).
+fn offered_projections() -> Vec<String> {
+    let o = cli().args(["project", "--help"]).output().unwrap();
+    assert!(o.status.success());
+    let text = String::from_utf8(o.stdout).unwrap();
+    let start = text.find("Possible values:").expect("project --help lists its projections");
+    text[start..]
+        .lines()
+        .skip(1)
+        .map(str::trim)
+        .take_while(|l| l.starts_with("- "))
+        .map(|l| l[2..].split(':').next().unwrap().trim().to_string())
+        .collect()
+}
+
+/// Every golden and committed run is a consistent run: `verify`, `show`, `project` of each
+/// projection, `inspect`, `timeline`, `at` an instant inside it and `diff` with itself all
+/// succeed on it, without the folds finding a contradiction.
+#[test]
+fn every_command_works_on_every_committed_run() {
+    let runs = committed_runs();
+    let rel = |p: &Path| p.strip_prefix(support::fixture("")).unwrap().display().to_string();
+    let names: Vec<String> = runs.iter().map(|p| rel(p)).collect();
+    for known in [
+        "golden/v1/golden.hlog",
+        "golden/v1/golden-appended.hlog",
+        "golden/v1/golden-run.hrun",
+        "runs/df-12",
+        "runs/scripted-cascade",
+        "runs/scripted-failures",
+        "runs/scripted-gated",
+        "runs/scripted-healthy",
+        "runs/sf-12",
+        "runs/sf-12-failed-r4",
+        "runs/sf-12-reseeded",
+    ] {
+        assert!(names.iter().any(|n| n == known), "the walk missed {known}: found {names:?}");
+    }
+    let projections = offered_projections();
+    for known in ["capacity", "handoffs", "scheduler", "metrics", "requests", "series"] {
+        assert!(projections.iter().any(|p| p == known), "project --help lost {known}: {projections:?}");
+    }
+
+    let tmp = tempfile::tempdir().unwrap();
+    let mut failures = Vec::new();
+    for run in &runs {
+        let name = rel(run);
+        // Runs one command; a failure (or a fold finding a contradiction) is noted, not fatal,
+        // so that one test run lists every failing pair.
+        let mut check = |what: &str, args: &[&std::ffi::OsStr]| -> Option<Vec<u8>> {
+            let o = cli().args(args).output().unwrap();
+            let stderr = String::from_utf8_lossy(&o.stderr);
+            if !o.status.success() || stderr.contains("contradicts") {
+                failures.push(format!("{name}: {what}: exit {:?}: {}", o.status.code(), stderr.trim()));
+                return None;
+            }
+            Some(o.stdout)
+        };
+        let r = run.as_os_str();
+        let os = std::ffi::OsStr::new;
+        check("verify", &[os("verify"), r]);
+        let shown = check("show --json", &[os("show"), r, os("--json")]);
+        for p in &projections {
+            check(&format!("project {p}"), &[os("project"), r, os(p)]);
+        }
+        check("inspect", &[os("inspect"), r]);
+        let svg = tmp.path().join(format!("{}.svg", name.replace('/', "_")));
+        let drawn = check("timeline", &[os("timeline"), r, os("--svg"), svg.as_os_str()]).is_some();
+        // `at` the midpoint of the run's first and last instants.
+        if let Some(shown) = shown {
+            let at: Vec<u64> = String::from_utf8(shown)
+                .unwrap()
+                .lines()
+                .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["at_ns"].as_u64().unwrap())
+                .collect();
+            let (first, last) = (*at.iter().min().unwrap(), *at.iter().max().unwrap());
+            let mid = format!("{}ns", first + (last - first) / 2);
+            check(&format!("at --time {mid}"), &[os("at"), r, os("--time"), os(&mid)]);
+        }
+        check("diff with itself", &[os("diff"), r, r]);
+        if drawn && !std::fs::read_to_string(&svg).is_ok_and(|s| s.contains("<svg")) {
+            failures.push(format!("{name}: timeline wrote no svg"));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} command(s) failed on committed runs:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }

@@ -6,9 +6,8 @@
 //! how grids expand, that its runs are byte for byte the lone replays' whatever the job count,
 //! shards, and what it refuses.
 
-mod e2e_support;
+mod support;
 
-use e2e_support::{cli, fixture, replay};
 use handoff_ledger::adapters::replay::config::ReplayConfig;
 use handoff_ledger::adapters::replay::sweep::{label, plan, Grid, Shard};
 use handoff_ledger::adapters::replay::transfer::TransferConfig;
@@ -17,6 +16,7 @@ use handoff_ledger::router::RouterMode;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use support::e2e::{cli, fixture, replay};
 
 fn cascade(backend: &str, out: &Path, extra: &[&str]) -> Value {
     let config = fixture("configs/cascade.json");

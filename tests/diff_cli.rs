@@ -1,23 +1,18 @@
 //! `handoff-log diff` on generated runs: equivalence, perturbations located at the record,
 //! different policies, unusable input, both layouts.
 
-#[path = "diff_support.rs"]
 mod support;
 
-use assert_cmd::Command;
 use handoff_ledger::events::{write_merged, Fact, KvDelta, TerminalStatus};
 use handoff_ledger::ids::{HandoffPolicy, RequestId, Role, WorkerId};
 use predicates::prelude::*;
 use serde_json::Value;
 use std::path::Path;
-use support::{generate, rewrite, Edit, GenConfig};
-
-fn bin() -> Command {
-    Command::cargo_bin("handoff-log").unwrap()
-}
+use support::cli;
+use support::generator::{generate, rewrite, Edit, GenConfig};
 
 fn diff_json(a: &Path, b: &Path, extra: &[&str]) -> (i32, Value) {
-    let out = bin().arg("diff").arg(a).arg(b).arg("--json").args(extra).output().unwrap();
+    let out = cli().arg("diff").arg(a).arg(b).arg("--json").args(extra).output().unwrap();
     let code = out.status.code().unwrap_or(-1);
     let v: Value = serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)));
@@ -34,7 +29,7 @@ fn identical_runs_are_equivalent() {
     let cfg = GenConfig::default();
     generate(&t.path().join("a"), &cfg);
     generate(&t.path().join("b"), &cfg);
-    bin()
+    cli()
         .arg("diff")
         .arg(t.path().join("a"))
         .arg(t.path().join("b"))
@@ -116,7 +111,7 @@ fn changed_capacity_delta_is_reported_at_that_record() {
         }
         _ => None,
     });
-    let out = bin().arg("diff").arg(&a).arg(&b).output().unwrap();
+    let out = cli().arg("diff").arg(&a).arg(&b).output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let (head, la, lb) = first_divergence(&stdout);
@@ -141,7 +136,7 @@ fn dropped_fact_is_reported_at_that_record() {
         Fact::SourcePinned { request, .. } if *request == RequestId(3) => Some(Edit::Drop),
         _ => None,
     });
-    let out = bin().arg("diff").arg(&a).arg(&b).output().unwrap();
+    let out = cli().arg("diff").arg(&a).arg(&b).output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let (head, la, _) = first_divergence(&stdout);
@@ -173,7 +168,7 @@ fn changed_status_is_reported_at_that_record() {
         }
         _ => None,
     });
-    let out = bin().arg("diff").arg(&a).arg(&b).output().unwrap();
+    let out = cli().arg("diff").arg(&a).arg(&b).output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let (head, la, lb) = first_divergence(&stdout);
@@ -236,7 +231,7 @@ fn merged_file_and_directory_compare_alike() {
     });
     let merged_c = t.path().join("c.hrun");
     write_merged(&c, &merged_c).unwrap();
-    let out = bin().arg("diff").arg(&merged).arg(&merged_c).output().unwrap();
+    let out = cli().arg("diff").arg(&merged).arg(&merged_c).output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let (_, la, _) = first_divergence(&stdout);
@@ -249,7 +244,7 @@ fn unusable_input_exits_2_naming_the_file() {
     let a = t.path().join("a");
     generate(&a, &GenConfig::default());
     let missing = t.path().join("nope");
-    bin()
+    cli()
         .arg("diff")
         .arg(&a)
         .arg(&missing)
@@ -264,7 +259,7 @@ fn unusable_input_exits_2_naming_the_file() {
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0x5a;
     std::fs::write(&victim, &bytes).unwrap();
-    bin()
+    cli()
         .arg("diff")
         .arg(&a)
         .arg(&b)
@@ -275,5 +270,5 @@ fn unusable_input_exits_2_naming_the_file() {
     // Not a log at all.
     let junk = t.path().join("junk.hrun");
     std::fs::write(&junk, b"definitely not a log").unwrap();
-    bin().arg("diff").arg(&junk).arg(&a).assert().code(2).stderr(predicate::str::contains("junk.hrun"));
+    cli().arg("diff").arg(&junk).arg(&a).assert().code(2).stderr(predicate::str::contains("junk.hrun"));
 }

@@ -1,14 +1,13 @@
 //! The library diff: the lockstep fallback (taken when one run gets far ahead of the other on
 //! a worker) gives the same report as the merge-order walk, on equivalent and different runs.
 
-#[path = "diff_support.rs"]
 mod support;
 
 use handoff_ledger::events::{Fact, KvDelta, TerminalStatus};
 use handoff_ledger::ids::{HandoffPolicy, RequestId, Role};
 use handoff_ledger::projections::diff::{diff_runs, DiffKind, DiffOptions, DiffReport};
 use std::path::Path;
-use support::{generate, rewrite, Edit, GenConfig};
+use support::generator::{generate, rewrite, Edit, GenConfig};
 
 fn report(a: &Path, b: &Path, queue_limit: usize) -> DiffReport {
     diff_runs(a, b, &DiffOptions { queue_limit, ..DiffOptions::default() }, &mut |_| {}).unwrap()
@@ -68,4 +67,29 @@ fn fallback_agrees_with_the_walk() {
     let i = f.context_a.iter().position(|c| c.divergent).unwrap();
     assert!(i >= 1 && i + 1 < f.context_a.len(), "{i} of {}", f.context_a.len());
     assert_eq!(f.context_a[i].record.fact.name(), "RequestFinished");
+}
+
+/// The generator every diff / at / index test uses writes sound runs.
+#[test]
+fn generated_runs_are_sound_and_drain() {
+    use handoff_ledger::events::verify_run;
+    use handoff_ledger::projections::at::state_at;
+    for policy in [HandoffPolicy::SourceFirst, HandoffPolicy::DestinationFirst] {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = GenConfig { policy, requests: 200, ..GenConfig::default() };
+        let n = generate(dir.path(), &cfg);
+        let summary = verify_run(dir.path()).unwrap();
+        assert_eq!(summary.records, n);
+        let end = state_at(dir.path(), u64::MAX, None, &mut |_| {}).unwrap();
+        assert!(end.violations.is_empty(), "{:?}", end.violations);
+        for w in &end.workers {
+            if let Some(c) = &w.capacity {
+                assert_eq!(c.kv_used_blocks, 0, "{} not drained", w.worker);
+                assert_eq!(c.request_slots_used, 0);
+            }
+            if let Some(q) = &w.queues {
+                assert_eq!(q.waiting + q.running + q.held_prefills, 0, "{}", w.worker);
+            }
+        }
+    }
 }

@@ -2,7 +2,6 @@
 //! are equivalent, another seed only renames handoffs, vLLM and SGLang orders differ in the
 //! right kinds, a perturbed replay record is found, and `at` agrees with the capacity fold.
 
-#[path = "diff_support.rs"]
 mod support;
 
 use assert_cmd::Command;
@@ -12,12 +11,12 @@ use handoff_ledger::projections::at::state_at;
 use handoff_ledger::projections::run::project_capacity;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use support::{rewrite, Edit};
+use support::generator::{rewrite, Edit};
 
 const TRACE: &str = "fixtures/traces/mooncake-200.jsonl";
 
 fn bin() -> Command {
-    let mut c = Command::cargo_bin("handoff-log").unwrap();
+    let mut c = support::cli();
     c.current_dir(env!("CARGO_MANIFEST_DIR"));
     c
 }

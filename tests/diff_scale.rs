@@ -10,10 +10,9 @@
 //! ```
 //! 357 143 requests × 28 records ≈ 10 million facts per run.
 
-#[path = "diff_support.rs"]
 mod support;
 
-use support::{generate, GenConfig};
+use support::generator::{generate, GenConfig};
 
 #[test]
 #[ignore]

@@ -4,14 +4,12 @@
 //! the log format or the generator changes on purpose):
 //! `cargo test --test diff_snapshots -- --ignored regenerate_fixture_runs`.
 
-#[path = "diff_support.rs"]
 mod support;
 
-use assert_cmd::Command;
 use handoff_ledger::events::{Fact, TerminalStatus};
 use handoff_ledger::ids::{HandoffPolicy, RequestId, WorkerId};
 use std::path::Path;
-use support::{generate, rewrite, Edit, GenConfig};
+use support::generator::{generate, rewrite, Edit, GenConfig};
 
 const SOURCE_FIRST: &str = "fixtures/runs/sf-12";
 const RESEEDED: &str = "fixtures/runs/sf-12-reseeded";
@@ -48,8 +46,7 @@ fn regenerate_fixture_runs() {
 }
 
 fn diff(a: &str, b: &str, extra: &[&str]) -> (i32, String) {
-    let out = Command::cargo_bin("handoff-log")
-        .unwrap()
+    let out = support::cli()
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .args(["diff", a, b])
         .args(extra)

@@ -1,36 +1,31 @@
 //! The run index: same answers as a full scan (`show --handoff`, `show --worker`, `at`), and a
 //! stale or damaged index is detected and rebuilt.
 
-#[path = "diff_support.rs"]
 mod support;
 
-use assert_cmd::Command;
 use handoff_ledger::events::index::{IndexStatus, RunIndex};
 use handoff_ledger::events::{write_merged, Fact, RunReader, StreamWriter};
 use handoff_ledger::ids::{HandoffId, RequestId};
 use handoff_ledger::projections::worker::WorkerFold;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use support::{generate, GenConfig};
-
-fn bin() -> Command {
-    Command::cargo_bin("handoff-log").unwrap()
-}
+use support::cli;
+use support::generator::{generate, GenConfig};
 
 fn stdout(args: &[&str], run: &Path) -> String {
-    let out = bin().args(args).arg(run).output().unwrap();
+    let out = cli().args(args).arg(run).output().unwrap();
     assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap()
 }
 
 fn show(run: &Path, extra: &[&str]) -> String {
-    let out = bin().arg("show").arg(run).args(extra).output().unwrap();
+    let out = cli().arg("show").arg(run).args(extra).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap()
 }
 
 fn at_json(run: &Path, t: &str) -> String {
-    let out = bin().arg("at").arg(run).args(["--time", t, "--json"]).output().unwrap();
+    let out = cli().arg("at").arg(run).args(["--time", t, "--json"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap()
 }
@@ -154,7 +149,7 @@ fn appending_to_a_stream_makes_the_index_stale_and_it_is_rebuilt() {
         w.append(late, &Fact::RequestQueued { request: RequestId(999_999) }).unwrap();
         w.finish().unwrap();
     }
-    let out = bin().arg("at").arg(&indexed).args(["--time", "20s", "--json"]).output().unwrap();
+    let out = cli().arg("at").arg(&indexed).args(["--time", "20s", "--json"]).output().unwrap();
     assert!(out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("stale") && stderr.contains("rebuilt"), "{stderr}");
@@ -197,7 +192,7 @@ fn a_damaged_index_is_rebuilt_not_trusted() {
     // rebuilds and answers as a scan does.
     scribble(&indexed.join(".index").join("postings"));
     assert_eq!(at_json(&plain, "25"), at_json(&indexed, "25"));
-    let out = bin().arg("show").arg(&indexed).args(["--handoff", &h]).output().unwrap();
+    let out = cli().arg("show").arg(&indexed).args(["--handoff", &h]).output().unwrap();
     assert!(out.status.success());
     assert_eq!(String::from_utf8(out.stdout).unwrap(), show(&plain, &["--handoff", &h]));
     // Rewriting a stream with the same length but other bytes is caught by the checksum.
@@ -208,7 +203,7 @@ fn a_damaged_index_is_rebuilt_not_trusted() {
     let n = bytes.len();
     bytes[n - 1] ^= 1;
     std::fs::write(&f, &bytes).unwrap();
-    let out = bin().arg("index").arg(&indexed).output().unwrap();
+    let out = cli().arg("index").arg(&indexed).output().unwrap();
     // The flipped byte makes the stream itself unreadable: an error naming it, not a stale answer.
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("router.hlog"));
@@ -219,7 +214,7 @@ fn an_index_in_use_elsewhere_is_left_alone_and_readers_scan() {
     let t = tempfile::tempdir().unwrap();
     let (plain, indexed) = pair(t.path());
     let (held, _) = RunIndex::open_or_rebuild::<WorkerFold>(&indexed).unwrap();
-    let out = bin().arg("at").arg(&indexed).args(["--time", "33", "--json"]).output().unwrap();
+    let out = cli().arg("at").arg(&indexed).args(["--time", "33", "--json"]).output().unwrap();
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("in use"));
     assert_eq!(String::from_utf8(out.stdout).unwrap(), at_json(&plain, "33"));

@@ -2,15 +2,13 @@
 //! cascade run (with its trigger) and not on the healthy one; destination gating is reported
 //! as its own finding; text and JSON are pinned by snapshots.
 
-mod inspect_support;
+mod support;
 
-use assert_cmd::Command;
-use inspect_support::{fixtures_dir, scripted};
 use std::path::Path;
+use support::scripted::{fixtures_dir, scripted};
 
 fn inspect(run: &Path, extra: &[&str]) -> String {
-    let out =
-        Command::cargo_bin("handoff-log").unwrap().arg("inspect").arg(run).args(extra).output().unwrap();
+    let out = support::cli().arg("inspect").arg(run).args(extra).output().unwrap();
     assert!(
         out.status.success(),
         "inspect {} failed: {}",
@@ -194,13 +192,7 @@ fn failures_are_told_apart_with_the_time_each_cost() {
 fn a_merged_run_inspects_like_its_directory() {
     let dir = tempfile::tempdir().unwrap();
     let merged = dir.path().join("cascade.hrun");
-    Command::cargo_bin("handoff-log")
-        .unwrap()
-        .arg("merge")
-        .arg(fixture("scripted-cascade"))
-        .arg(&merged)
-        .assert()
-        .success();
+    support::cli().arg("merge").arg(fixture("scripted-cascade")).arg(&merged).assert().success();
     let a = json(&fixture("scripted-cascade"));
     let b = json(&merged);
     assert_eq!(a, b);
@@ -209,12 +201,7 @@ fn a_merged_run_inspects_like_its_directory() {
 #[test]
 fn unusable_input_is_exit_2_with_a_message() {
     let dir = tempfile::tempdir().unwrap();
-    let out = Command::cargo_bin("handoff-log")
-        .unwrap()
-        .arg("inspect")
-        .arg(dir.path().join("missing"))
-        .output()
-        .unwrap();
+    let out = support::cli().arg("inspect").arg(dir.path().join("missing")).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("handoff-log:"));
     // A stream whose facts contradict each other (a release with nothing pinned) is named.
@@ -248,7 +235,7 @@ fn unusable_input_is_exit_2_with_a_message() {
     )
     .unwrap();
     w.finish().unwrap();
-    let out = Command::cargo_bin("handoff-log").unwrap().arg("inspect").arg(&run).output().unwrap();
+    let out = support::cli().arg("inspect").arg(&run).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("prefill-0 record seq 0"), "{err}");

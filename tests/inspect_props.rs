@@ -4,14 +4,16 @@
 //! unscheduled for ≥ `stall_ms`, judged on settled states (all records of an instant applied),
 //! ending where that stops holding unless it holds again within `stall_ms`.
 
+mod support;
+
 use handoff_ledger::events::{EngineShape, Fact, KvDelta, Record, StreamHeader};
 use handoff_ledger::ids::*;
 use handoff_ledger::projections::inspect::{InspectFold, InspectOptions};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
+use support::NS_PER_MS as MS;
 
 const TOTAL: i32 = 10;
-const MS: u64 = 1_000_000;
 const STALL_MS: u64 = 5;
 
 #[derive(Clone, Copy, Debug)]

@@ -10,20 +10,21 @@
 //! preemptions), and hand-built decode streams fed to the fold whose storms and blocked
 //! stretches are known to the millisecond.
 
-use assert_cmd::Command;
+mod support;
+
 use handoff_ledger::events::{EngineShape, Fact, KvDelta, Record, RunReader, StreamHeader, TerminalStatus};
 use handoff_ledger::ids::*;
 use handoff_ledger::projections::inspect::{InspectFold, InspectOptions, InspectReport};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use support::NS_PER_MS as MS;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
 fn replay(backend: &str, out: &Path) {
-    Command::cargo_bin("handoff-log")
-        .unwrap()
+    support::cli()
         .arg("replay")
         .arg(root().join("fixtures/traces/cascade.jsonl"))
         .args(["--backend", backend, "--prefill", "2", "--decode", "2", "--config"])
@@ -35,8 +36,7 @@ fn replay(backend: &str, out: &Path) {
 }
 
 fn inspect(run: &Path, extra: &[&str]) -> String {
-    let out =
-        Command::cargo_bin("handoff-log").unwrap().arg("inspect").arg(run).args(extra).output().unwrap();
+    let out = support::cli().arg("inspect").arg(run).args(extra).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap()
 }
@@ -197,8 +197,7 @@ fn a_thrashing_decode_worker_has_the_preemption_storms_a_scan_finds() {
     let config = dir.path().join("small.json");
     std::fs::write(&config, r#"{"vllm": {"num_gpu_blocks": 32, "block_size": 16}}"#).unwrap();
     let run = dir.path().join("thrash-vllm");
-    Command::cargo_bin("handoff-log")
-        .unwrap()
+    support::cli()
         .arg("replay")
         .arg(&trace)
         .args(["--backend", "vllm", "--prefill", "1", "--decode", "1", "--config"])
@@ -256,7 +255,6 @@ fn a_thrashing_decode_worker_has_the_preemption_storms_a_scan_finds() {
     assert!(text.contains(&headline), "{headline}\n{text}");
 }
 
-const MS: u64 = 1_000_000;
 const Z: KvDelta = KvDelta::ZERO;
 
 fn decode_header(total_blocks: u32) -> StreamHeader {

@@ -5,7 +5,7 @@
 //! order per policy, and, under random delivery orders, duplicates and injected faults, that
 //! both roles end exactly once and the fake cores are left holding nothing.
 
-mod lifecycle_common;
+mod support;
 
 use handoff_ledger::events::{Fact, KvDelta};
 use handoff_ledger::ids::{
@@ -16,10 +16,10 @@ use handoff_ledger::lifecycle::{
     DestinationAction, DestinationEvent, DestinationHandoff, DestinationState, HandoffMessage, MessageBody,
     SourceAction, SourceEvent, SourceHandoff, SourceState,
 };
-use lifecycle_common::*;
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use support::lifecycle::*;
 
 const LEASE: SourceLeaseId = SourceLeaseId(7);
 const RES: DestinationReservationId = DestinationReservationId(9);

@@ -5,7 +5,7 @@
 //! once, that no transfer starts without a reservation, that nothing leaves `Released`, and that
 //! errors change nothing.
 
-mod lifecycle_common;
+mod support;
 
 use handoff_ledger::events::{Fact, MessageRejection};
 use handoff_ledger::ids::{
@@ -14,8 +14,8 @@ use handoff_ledger::ids::{
 use handoff_ledger::lifecycle::{
     DestinationAction, DestinationEvent, DestinationHandoff, DestinationState, HandoffMessage, MessageBody,
 };
-use lifecycle_common::*;
 use proptest::prelude::*;
+use support::lifecycle::*;
 
 const RES: DestinationReservationId = DestinationReservationId(42);
 const MISSING: u32 = 1024;

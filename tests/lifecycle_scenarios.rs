@@ -1,7 +1,7 @@
 //! Exact outputs of each role for the proposal's named situations: the action and fact lists an
 //! adapter sees, step by step. (The property tests cover the space; these pin the contract.)
 
-mod lifecycle_common;
+mod support;
 
 use handoff_ledger::events::{Fact, MessageKind, MessageRejection};
 use handoff_ledger::ids::{
@@ -12,7 +12,7 @@ use handoff_ledger::lifecycle::{
     DestinationAction, DestinationEvent, DestinationState, HandoffMessage, MessageBody, NewHandoffError,
     SourceAction, SourceConfig, SourceEvent, SourceHandoff, SourceInit, SourceState,
 };
-use lifecycle_common::*;
+use support::lifecycle::*;
 
 const LEASE: SourceLeaseId = SourceLeaseId(3);
 const RES: DestinationReservationId = DestinationReservationId(8);

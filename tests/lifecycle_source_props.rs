@@ -3,7 +3,7 @@
 //! or fails the prefill. Checks after every event and at the end that the pin and the dispatch
 //! each end exactly once, that nothing leaves `Released`, and that errors change nothing.
 
-mod lifecycle_common;
+mod support;
 
 use handoff_ledger::events::{Fact, MessageRejection};
 use handoff_ledger::ids::{CancelReason, EndReason, Generation, HandoffId, HandoffPolicy, SourceLeaseId};
@@ -11,8 +11,8 @@ use handoff_ledger::ids::{DestinationReservationId, WorkerId};
 use handoff_ledger::lifecycle::{
     HandoffMessage, MessageBody, SourceAction, SourceEvent, SourceHandoff, SourceState,
 };
-use lifecycle_common::*;
 use proptest::prelude::*;
+use support::lifecycle::*;
 
 const LEASE: SourceLeaseId = SourceLeaseId(77);
 

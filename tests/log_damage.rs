@@ -1,14 +1,14 @@
 //! Damage: a torn tail is cut and reported, anything else is an error naming file and offset.
 
-mod common;
+mod support;
 
-use common::{golden_facts, header};
 use handoff_ledger::events::{
     codec, recover, verify_stream, Fact, LogError, Record, StreamReader, StreamWriter, TornTail,
 };
 use handoff_ledger::ids::{RequestId, WorkerId};
 use std::io::Cursor;
 use std::path::Path;
+use support::log::{golden_facts, header};
 
 /// A stream of the golden facts (every variant); returns the bytes and each record's offset.
 fn sample() -> (Vec<u8>, Vec<u64>) {

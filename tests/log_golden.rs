@@ -2,25 +2,29 @@
 //! A change to `Fact`, `StreamHeader`, the codec or the framing that alters the encoding fails
 //! here; such a change needs a new format version, not a regenerated golden file.
 //!
-//! Regenerate (only when deliberately starting a new format version):
-//! `REGENERATE_GOLDEN=1 cargo test --test log_golden`
+//! The golden files are also consistent runs, on which every command works
+//! (`cli_log::every_command_works_on_every_committed_run`).
+//!
+//! Regenerate (`REGENERATE_GOLDEN=1 cargo test --test log_golden`) only when deliberately
+//! starting a new format version, or when the facts the files hold must change with the encoding
+//! unchanged, i.e. after these tests passed on the committed files.
 
-mod common;
+mod support;
 
-use common::{golden_appended_facts, golden_facts, golden_header, ordinal, FACT_VARIANTS};
 use handoff_ledger::events::{
     write_merged, EngineShape, Fact, KvDelta, Record, RunKind, RunReader, RunWriter, StreamHeader,
-    StreamReader, StreamWriter,
+    StreamReader, StreamWriter, TerminalStatus,
 };
 use handoff_ledger::ids::{
     Backend, ClockDomain, DestinationReservationId, EndReason, HandoffPolicy, KvHandoffDemand, RequestId,
     SourceLeaseId, WorkerId,
 };
 use std::path::PathBuf;
+use support::log::{golden_appended_facts, golden_facts, golden_header, ordinal, FACT_VARIANTS};
 use uuid::Uuid;
 
 fn golden_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/golden/v1")
+    support::fixture("golden/v1")
 }
 
 fn regenerate() -> bool {
@@ -131,17 +135,23 @@ const P: WorkerId = WorkerId { role: handoff_ledger::ids::Role::Prefill, index: 
 const D: WorkerId = WorkerId { role: handoff_ledger::ids::Role::Decode, index: 0, dp_rank: 0 };
 const R: WorkerId = WorkerId::ROUTER;
 
-/// Three small streams of one source-first handoff, as each worker wrote them.
+/// Three small streams of one source-first handoff, as each worker wrote them: r1 is booked,
+/// prefilled on prefill-0 (4 blocks) and pinned; decode-0 reserves 4 blocks, receives,
+/// activates and completes it; the pin is released when the transfer is done. A consistent run
+/// (every command folds it, and it drains), so that the golden run is one a user may try
+/// `inspect` or `project capacity` on.
 fn run_streams() -> Vec<(StreamHeader, Vec<(u64, Fact)>)> {
-    let h = common::h(0x11);
+    let h = support::log::h(0x11);
     let req = RequestId(1);
-    let kv = |active, pinned, reserved, free| KvDelta {
+    let kv = |active, pinned, reserved, free, slots| KvDelta {
         active,
         pinned_source: pinned,
         reserved_destination: reserved,
         free,
+        slots,
         ..KvDelta::ZERO
     };
+    let done = TerminalStatus::Completed;
     vec![
         // Given out of canonical order on purpose: the writer and reader must sort.
         (
@@ -150,7 +160,13 @@ fn run_streams() -> Vec<(StreamHeader, Vec<(u64, Fact)>)> {
                 (0, Fact::RequestArrived { request: req, input_tokens: 64, output_tokens: 8 }),
                 (10, Fact::PrefillBooked { request: req, worker: P, prefill_tokens: 64, blocks: 4 }),
                 (20, Fact::DecodeBooked { request: req, worker: D, blocks: 5 }),
+                (30, Fact::PrefillComputeDone { request: req, worker: P }),
                 (50, Fact::PrefillBookingFreed { request: req, worker: P }),
+                (
+                    90,
+                    Fact::RequestFinished { request: req, status: done, output_tokens: 8, kv: KvDelta::ZERO },
+                ),
+                (90, Fact::DecodeBookingFreed { request: req, worker: D, status: done }),
             ],
         ),
         (
@@ -167,16 +183,27 @@ fn run_streams() -> Vec<(StreamHeader, Vec<(u64, Fact)>)> {
                         prefix_blocks: 0,
                         prefix_tokens: 0,
                         deadline_ns: 1_000,
-                        kv: kv(0, 0, 4, -4),
+                        kv: kv(0, 0, 4, -4, 0),
                     },
                 ),
+                (30, Fact::ReceiveStarted { handoff: h, from: P, bytes: 64 * 131_072 }),
                 (40, Fact::ReceiveCompleted { handoff: h }),
                 (
                     50,
                     Fact::DestinationActivated {
                         handoff: h,
                         reservation: DestinationReservationId(1),
-                        kv: kv(4, 0, -4, 0),
+                        kv: kv(4, 0, -4, 0, 0),
+                    },
+                ),
+                (50, Fact::RequestScheduled { request: req, cached_tokens: 0, kv: kv(0, 0, 0, 0, 1) }),
+                (
+                    90,
+                    Fact::RequestFinished {
+                        request: req,
+                        status: done,
+                        output_tokens: 8,
+                        kv: kv(-4, 0, 0, 4, -1),
                     },
                 ),
             ],
@@ -194,6 +221,9 @@ fn run_streams() -> Vec<(StreamHeader, Vec<(u64, Fact)>)> {
                     },
                 ),
                 (20, Fact::PrefillDispatched { handoff: h }),
+                (20, Fact::RequestQueued { request: req }),
+                (25, Fact::RequestScheduled { request: req, cached_tokens: 0, kv: kv(4, 0, 0, -4, 1) }),
+                (30, Fact::FirstTokenEmitted { request: req }),
                 (
                     30,
                     Fact::SourcePinned {
@@ -202,7 +232,7 @@ fn run_streams() -> Vec<(StreamHeader, Vec<(u64, Fact)>)> {
                         lease: SourceLeaseId(1),
                         blocks: 4,
                         deadline_ns: 500,
-                        kv: kv(-4, 4, 0, 0),
+                        kv: kv(-4, 4, 0, 0, -1),
                     },
                 ),
                 (
@@ -211,7 +241,7 @@ fn run_streams() -> Vec<(StreamHeader, Vec<(u64, Fact)>)> {
                         handoff: h,
                         lease: SourceLeaseId(1),
                         reason: EndReason::Success,
-                        kv: kv(0, -4, 0, 4),
+                        kv: kv(0, -4, 0, 4, 0),
                     },
                 ),
             ],
@@ -221,19 +251,28 @@ fn run_streams() -> Vec<(StreamHeader, Vec<(u64, Fact)>)> {
 
 /// The merge order, written out by hand from the rule (at_ns, canonical stream, seq); canonical
 /// order is prefill-0 (0), decode-0 (1), router (2).
-const MERGE_ORDER: [(WorkerId, u64); 12] = [
+const MERGE_ORDER: [(WorkerId, u64); 21] = [
     (R, 0), // 0
     (P, 0), // 10
     (R, 1), // 10
     (P, 1), // 20
+    (P, 2), // 20
     (D, 0), // 20
     (R, 2), // 20
-    (P, 2), // 30
+    (P, 3), // 25
+    (P, 4), // 30
+    (P, 5), // 30
     (D, 1), // 30
-    (D, 2), // 40
-    (P, 3), // 50
-    (D, 3), // 50
-    (R, 3), // 50
+    (D, 2), // 30
+    (R, 3), // 30
+    (D, 3), // 40
+    (P, 6), // 50
+    (D, 4), // 50
+    (D, 5), // 50
+    (R, 4), // 50
+    (D, 6), // 90
+    (R, 5), // 90
+    (R, 6), // 90
 ];
 
 #[test]

@@ -1,15 +1,15 @@
 //! Stream round trip: whatever the writer appends, the reader returns unchanged, in order, with
 //! consecutive sequence numbers and the documented byte layout.
 
-mod common;
+mod support;
 
-use common::{any_header, fact, header, ordinal, FACT_VARIANTS};
 use handoff_ledger::events::{codec, Fact, Record, StreamReader, StreamWriter, FORMAT_VERSION, MAGIC};
 use handoff_ledger::ids::WorkerId;
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use proptest::test_runner::TestRunner;
 use std::io::Cursor;
+use support::log::{any_header, fact, header, ordinal, FACT_VARIANTS};
 
 fn write_all(header: &handoff_ledger::events::StreamHeader, recs: &[(u64, Fact)]) -> Vec<u8> {
     let mut w = StreamWriter::new(Vec::new(), header).expect("writer");

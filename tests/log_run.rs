@@ -1,9 +1,8 @@
 //! Runs: a directory of streams and the merged file made from it read as the same sequence, in
 //! the documented merge order; streams of different runs are refused.
 
-mod common;
+mod support;
 
-use common::{fact, header};
 use handoff_ledger::events::{
     recover_run, stream_file_name, verify_run, write_merged, Fact, LogError, Record, RunKind, RunReader,
     RunWriter, StreamHeader, StreamWriter, TornTail,
@@ -11,6 +10,7 @@ use handoff_ledger::events::{
 use handoff_ledger::ids::{RequestId, Role, WorkerId};
 use proptest::prelude::*;
 use std::path::Path;
+use support::log::{fact, header};
 
 fn read_run(path: &Path) -> (Vec<StreamHeader>, Vec<(usize, Record)>) {
     // Arbitrary facts name arbitrary workers: this reads the framing, not a consistent run.

@@ -1,9 +1,8 @@
 //! End-to-end replay tests: the binary on committed fixture traces, checked through the logs it
 //! writes (folded with the library's own projections).
 
-mod e2e_support;
+mod support;
 
-use e2e_support::{cli, fixture, replay};
 use handoff_ledger::events::{Fact, MessageKind, RunReader, TerminalStatus};
 use handoff_ledger::ids::{EndReason, HandoffId, RequestId, Role, WorkerId};
 use handoff_ledger::lifecycle::policy::Milestone;
@@ -12,6 +11,7 @@ use predicates::prelude::*;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use support::e2e::{cli, fixture, replay};
 
 /// Every record of a run as (worker, at_ns, fact), in merge order.
 fn records(run: &Path) -> Vec<(WorkerId, u64, Fact)> {

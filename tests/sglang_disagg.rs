@@ -2,7 +2,7 @@
 //! dispatch the prefill only once reserved, activate on pin, then release the source. Checks
 //! the folds of both streams after every call and that both workers drain without leaks.
 
-mod sglang_common;
+mod support;
 
 use handoff_ledger::events::Fact;
 use handoff_ledger::ids::EndReason;
@@ -10,8 +10,8 @@ use handoff_ledger::schedulers::sglang::SglangConfig;
 use handoff_ledger::schedulers::{CommandOutcome, EngineCore, EngineOutput};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use sglang_common::*;
 use std::collections::BTreeMap;
+use support::sglang::*;
 
 fn run(seed: u64) {
     eprintln!("seed {seed}");

@@ -3,14 +3,14 @@
 //! snapshot, audit and view (checked inside `Checked`); at the end every reservation and pin
 //! must have ended exactly once and nothing may leak.
 
-mod sglang_common;
+mod support;
 
 use handoff_ledger::events::Fact;
 use handoff_ledger::ids::{CancelReason, EndReason, HandoffId};
 use handoff_ledger::schedulers::{CommandError, Effects, EngineCore};
 use proptest::prelude::*;
-use sglang_common::*;
 use std::collections::BTreeMap;
+use support::sglang::*;
 
 #[derive(Clone, Debug)]
 enum Op {

@@ -3,7 +3,7 @@
 //! pinning, retraction and `new_token_ratio`. Every call goes through `Checked`, so the fact
 //! folds are compared with the core after each one as well.
 
-mod sglang_common;
+mod support;
 
 use handoff_ledger::events::{Fact, KvDelta, RejectReason, TerminalStatus};
 use handoff_ledger::ids::{CancelReason, EndReason, RequestId};
@@ -11,8 +11,8 @@ use handoff_ledger::schedulers::sglang::{ConfigError, SglangConfig};
 use handoff_ledger::schedulers::{
     CommandError, CommandOutcome, EngineCore, EngineOutput, ReservationSummary,
 };
-use sglang_common::*;
 use std::collections::BTreeSet;
+use support::sglang::*;
 
 fn cfg(total_pages: u32, slots: u32) -> SglangConfig {
     SglangConfig {

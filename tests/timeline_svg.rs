@@ -4,15 +4,14 @@
 //! (computed here directly from the records). With forced downsampling, a drawn value is the
 //! fold's value at some instant of the bucket holding the sampled instant.
 
-mod inspect_support;
+mod support;
 
-use assert_cmd::Command;
 use handoff_ledger::events::{Fact, RunReader};
 use handoff_ledger::ids::{Role, WorkerId};
 use handoff_ledger::projections::{KvCapacitySnapshot, SchedulerFold};
-use inspect_support::{fixtures_dir, scripted};
 use std::collections::BTreeMap;
 use std::path::Path;
+use support::scripted::{fixtures_dir, scripted};
 
 /// Every engine worker's folded state at each settled instant: (at_ns, [5 classes, booked],
 /// [5 queues]).
@@ -214,15 +213,7 @@ fn charts(svg: &str, class: &str, top_attr: &str) -> BTreeMap<String, Chart> {
 fn timeline(run: &Path, extra: &[&str]) -> String {
     let dir = tempfile::tempdir().unwrap();
     let svg = dir.path().join("t.svg");
-    Command::cargo_bin("handoff-log")
-        .unwrap()
-        .arg("timeline")
-        .arg(run)
-        .arg("--svg")
-        .arg(&svg)
-        .args(extra)
-        .assert()
-        .success();
+    support::cli().arg("timeline").arg(run).arg("--svg").arg(&svg).args(extra).assert().success();
     std::fs::read_to_string(&svg).unwrap()
 }
 
@@ -369,8 +360,7 @@ fn bad_arguments_are_exit_2() {
         vec!["--from", "300", "--to", "200"],
         vec!["--from", "-5"],
     ] {
-        let out = Command::cargo_bin("handoff-log")
-            .unwrap()
+        let out = support::cli()
             .arg("timeline")
             .arg(&run)
             .arg("--svg")
@@ -388,8 +378,7 @@ fn json_summary_names_the_file_window_and_the_stall_inspect_finds() {
     let run = fixtures_dir().join("scripted-cascade");
     let dir = tempfile::tempdir().unwrap();
     let svg = dir.path().join("t.svg");
-    let out = Command::cargo_bin("handoff-log")
-        .unwrap()
+    let out = support::cli()
         .arg("timeline")
         .arg(&run)
         .arg("--svg")
@@ -418,15 +407,7 @@ fn y_axis_modes_and_window_units() {
     let t = tempfile::tempdir().unwrap();
     let draw = |name: &str, args: &[&str]| -> String {
         let svg = t.path().join(name);
-        let o = Command::cargo_bin("handoff-log")
-            .unwrap()
-            .arg("timeline")
-            .arg(&run)
-            .arg("--svg")
-            .arg(&svg)
-            .args(args)
-            .output()
-            .unwrap();
+        let o = support::cli().arg("timeline").arg(&run).arg("--svg").arg(&svg).args(args).output().unwrap();
         assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
         std::fs::read_to_string(svg).unwrap()
     };
@@ -459,12 +440,7 @@ fn y_axis_modes_and_window_units() {
         draw("a.svg", &["--from", "1.5s", "--to", "4000ms"]),
         draw("b.svg", &["--from", "1500", "--to", "4s"])
     );
-    let o = Command::cargo_bin("handoff-log")
-        .unwrap()
-        .arg("timeline")
-        .arg(&run)
-        .args(["--svg", "x.svg", "--from", "soon"])
-        .output()
-        .unwrap();
+    let o =
+        support::cli().arg("timeline").arg(&run).args(["--svg", "x.svg", "--from", "soon"]).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
 }

@@ -9,7 +9,7 @@
 //! The proptest RNG seed is fixed (printed) so runs are reproducible; set `VLLM_PROP_SEED` to
 //! explore others.
 
-mod vllm_support;
+mod support;
 
 use handoff_ledger::events::Fact;
 use handoff_ledger::ids::{CancelReason, EndReason, RequestId};
@@ -18,7 +18,7 @@ use handoff_ledger::schedulers::{EngineCore, EngineOutput, PolynomialTiming};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
 use std::collections::BTreeMap;
-use vllm_support::{hid, req, Harness};
+use support::vllm::{hid, req, Harness};
 
 const HANDOFFS: u8 = 8;
 

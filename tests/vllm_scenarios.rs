@@ -1,7 +1,7 @@
 //! Scenario tests of the vLLM-like core (proposal scenarios 1 and 4, retry discipline,
 //! cancellation in every state, preemption, prefix reuse, plain-path equivalence).
 
-mod vllm_support;
+mod support;
 
 use handoff_ledger::events::{Fact, KvDelta, RejectReason, TerminalStatus};
 use handoff_ledger::ids::{Backend, CancelReason, EndReason, RequestId, WorkerId};
@@ -9,7 +9,7 @@ use handoff_ledger::schedulers::vllm::VllmConfig;
 use handoff_ledger::schedulers::{
     CommandError, CommandOutcome, EngineCore, EngineOutput, PolynomialTiming, StepShape, TimingModel,
 };
-use vllm_support::{hid, req, small, Harness};
+use support::vllm::{hid, req, small, Harness};
 
 const LEASE_NS: u64 = 30_000_000_000;
 

@@ -1,9 +1,8 @@
 //! Test support for diff / at / index: a generator of self-consistent disaggregated runs, and a
 //! rewriter that copies a run with one record changed or dropped.
 //!
-//! Included by the other tests and by `benches/fold.rs` with `#[path]`; compiled on its own it
-//! checks that generated runs are sound (they verify, fold without contradictions, and drain).
-#![allow(dead_code)]
+//! Also used by `benches/fold.rs` (with `#[path]`). That generated runs are sound (they verify,
+//! fold without contradictions, and drain) is checked in `tests/diff_lib.rs`.
 
 use handoff_ledger::events::{
     EngineShape, Fact, KvDelta, Record, RunReader, RunWriter, StreamHeader, TerminalStatus,
@@ -421,28 +420,4 @@ pub fn rewrite(src: &Path, dst: &Path, mut edit: impl FnMut(WorkerId, &Record) -
         }
     }
     w.finish().unwrap();
-}
-
-#[test]
-fn generated_runs_are_sound_and_drain() {
-    use handoff_ledger::events::verify_run;
-    use handoff_ledger::projections::at::state_at;
-    for policy in [HandoffPolicy::SourceFirst, HandoffPolicy::DestinationFirst] {
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = GenConfig { policy, requests: 200, ..GenConfig::default() };
-        let n = generate(dir.path(), &cfg);
-        let summary = verify_run(dir.path()).unwrap();
-        assert_eq!(summary.records, n);
-        let end = state_at(dir.path(), u64::MAX, None, &mut |_| {}).unwrap();
-        assert!(end.violations.is_empty(), "{:?}", end.violations);
-        for w in &end.workers {
-            if let Some(c) = &w.capacity {
-                assert_eq!(c.kv_used_blocks, 0, "{} not drained", w.worker);
-                assert_eq!(c.request_slots_used, 0);
-            }
-            if let Some(q) = &w.queues {
-                assert_eq!(q.waiting + q.running + q.held_prefills, 0, "{}", w.worker);
-            }
-        }
-    }
 }

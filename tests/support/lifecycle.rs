@@ -1,7 +1,5 @@
-//! Shared builders for the lifecycle tests (each `tests/lifecycle_*.rs` includes this module).
-#![allow(dead_code)]
+//! Shared builders for the lifecycle tests (`tests/lifecycle_*.rs`).
 
-use handoff_ledger::events::Fact;
 use handoff_ledger::ids::{
     CancelReason, Generation, HandoffId, HandoffPolicy, IdMint, KvHandoffDemand, RequestId, WorkerId,
 };
@@ -77,6 +75,4 @@ pub const REASONS: [CancelReason; 4] = [
     CancelReason::Teardown,
 ];
 
-pub fn count(facts: &[Fact], name: &str) -> usize {
-    facts.iter().filter(|f| f.name() == name).count()
-}
+pub use super::count;

@@ -1,6 +1,5 @@
 //! Shared harness for the vLLM core tests: folds every emitted fact into a capacity snapshot and
 //! a scheduler view and checks them against the core after every call.
-#![allow(dead_code)]
 
 use handoff_ledger::events::Fact;
 use handoff_ledger::ids::{Backend, HandoffId, RequestId, WorkerId};
@@ -110,7 +109,7 @@ impl Harness {
     }
 
     pub fn count(&self, name: &str) -> usize {
-        self.log.iter().filter(|f| f.name() == name).count()
+        super::count(&self.log, name)
     }
 
     pub fn stored_hashes(&self) -> Vec<u64> {

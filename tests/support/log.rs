@@ -1,6 +1,5 @@
 //! Shared test support for the log tests: a proptest strategy for every `Fact` variant, fixed
 //! headers, and the golden fact list.
-#![allow(dead_code)]
 
 use handoff_ledger::events::{
     EngineShape, Fact, KvDelta, MessageKind, MessageRejection, RejectReason, StreamHeader, TerminalStatus,
@@ -372,8 +371,8 @@ pub fn golden_header() -> StreamHeader {
 }
 
 /// Facts of the variants (and enum values) appended to format version 1 after its golden file
-/// was committed: they have a golden file of their own, so that the first one stays as it was.
-/// Never change existing entries; append.
+/// was committed: they have a golden file of their own, written by the build that appended
+/// them. Never change existing entries; append. (They too are one consistent stream.)
 pub fn golden_appended_facts() -> Vec<(u64, Fact)> {
     use Fact::*;
     vec![
@@ -385,8 +384,18 @@ pub fn golden_appended_facts() -> Vec<(u64, Fact)> {
     ]
 }
 
-/// The golden v1 facts, one or more per variant, with their `at_ns`. Never change existing
-/// entries: the committed file encodes them.
+/// The golden v1 facts, one or more per variant, with their `at_ns`: the committed
+/// `golden.hlog` encodes them, so a change here needs that file regenerated (only ever with the
+/// encoding itself unchanged: `golden_v1_log_decodes_unchanged` must pass on the committed file
+/// first).
+///
+/// They are also one consistent stream (every command folds it without a contradiction, and it
+/// drains): prefill-0.1 carries, besides its own source side, the destination and router facts
+/// a lone stream must hold for every variant to appear. r9 runs and is canceled, leaving 16
+/// cached blocks; r7 is booked, dispatched after decode-1 reserved (destination-first), hits
+/// those 16 blocks, prefills and pins its 64 (h1) until the reader completes; r8 is preempted
+/// and aborted; r10 never fits; r11's pin (h2) outlives its lease; h3 reserves, receives and
+/// activates r12, which completes; h4 is dequeued; h5's reservation expires.
 pub fn golden_facts() -> Vec<(u64, Fact)> {
     use Fact::*;
     let d = WorkerId::decode(1);
@@ -395,23 +404,46 @@ pub fn golden_facts() -> Vec<(u64, Fact)> {
     let big = u64::MAX - 1;
     vec![
         (0, SessionStarted { generation: Generation(3) }),
-        (10, RequestArrived { request: r, input_tokens: 1024, output_tokens: 128 }),
-        (20, RequestQueued { request: r }),
-        (30, RequestScheduled { request: r, cached_tokens: 256, kv: kvd([48, 0, 0, -16, -32, 1, 0]) }),
-        (40, FirstTokenEmitted { request: r }),
-        (50, RequestPreempted { request: RequestId(8), kv: kvd([-5, 0, 0, 5, 0, -1, 0]) }),
+        (2, RequestQueued { request: RequestId(9) }),
+        (4, RequestScheduled { request: RequestId(9), cached_tokens: 0, kv: kvd([19, 0, 0, 0, -19, 1, 0]) }),
         (
-            60,
+            6,
             RequestFinished {
                 request: RequestId(9),
                 status: TerminalStatus::Canceled,
                 output_tokens: 17,
-                kv: kvd([-3, 0, 0, 2, 1, -1, 0]),
+                kv: kvd([-19, 0, 0, 16, 3, -1, 0]),
             },
         ),
-        (70, RequestRejected { request: RequestId(10), reason: RejectReason::NeverFits }),
+        (10, RequestArrived { request: r, input_tokens: 1024, output_tokens: 128 }),
+        (12, PrefillBooked { request: r, worker: p, prefill_tokens: 768, blocks: 64 }),
         (
-            80,
+            14,
+            HandoffStarted {
+                handoff: h(1),
+                request: r,
+                policy: HandoffPolicy::DestinationFirst,
+                demand: KvHandoffDemand { context_tokens: 1024, max_output_tokens: 128 },
+            },
+        ),
+        (16, DecodeBooked { request: r, worker: d, blocks: 72 }),
+        (
+            17,
+            MessageReceived {
+                handoff: h(1),
+                kind: MessageKind::DestinationReserved,
+                from: d,
+                generation: Generation(2),
+            },
+        ),
+        (18, PrefillDispatched { handoff: h(1) }),
+        (20, RequestQueued { request: r }),
+        (30, RequestScheduled { request: r, cached_tokens: 256, kv: kvd([64, 0, 0, -16, -48, 1, 0]) }),
+        (32, RequestQueued { request: RequestId(8) }),
+        (34, RequestScheduled { request: RequestId(8), cached_tokens: 0, kv: kvd([3, 0, 0, 0, -3, 1, 0]) }),
+        (40, FirstTokenEmitted { request: r }),
+        (
+            45,
             StepExecuted {
                 prefill_tokens: 512,
                 decode_tokens: 31,
@@ -420,21 +452,22 @@ pub fn golden_facts() -> Vec<(u64, Fact)> {
                 kv: kvd([2, 0, 0, 0, -2, 0, 0]),
             },
         ),
+        (50, RequestPreempted { request: RequestId(8), kv: kvd([-5, 0, 0, 5, 0, -1, 0]) }),
+        (
+            60,
+            RequestFinished {
+                request: RequestId(8),
+                status: TerminalStatus::Canceled,
+                output_tokens: 0,
+                kv: KvDelta::ZERO,
+            },
+        ),
+        (70, RequestRejected { request: RequestId(10), reason: RejectReason::NeverFits }),
         (90, KvEvicted { kv: kvd([0, 0, 0, -4, 4, 0, 0]) }),
         (100, KvStored { parent: None, blocks: vec![1, 2, u64::MAX] }),
         (101, KvStored { parent: Some(0xABCD_EF01_2345_6789), blocks: vec![] }),
         (110, KvRemoved { blocks: vec![2, 3] }),
         (120, KvCleared),
-        (
-            130,
-            HandoffStarted {
-                handoff: h(1),
-                request: r,
-                policy: HandoffPolicy::DestinationFirst,
-                demand: KvHandoffDemand { context_tokens: 1024, max_output_tokens: 128 },
-            },
-        ),
-        (140, PrefillDispatched { handoff: h(1) }),
         (
             150,
             SourcePinned {
@@ -446,16 +479,41 @@ pub fn golden_facts() -> Vec<(u64, Fact)> {
                 kv: kvd([-64, 64, 0, 0, 0, 0, 0]),
             },
         ),
+        (152, PrefillComputeDone { request: r, worker: p }),
+        (155, MessageSent { handoff: h(1), kind: MessageKind::SourceReady, to: d }),
         (160, LeaseRenewed { handoff: h(1), lease: SourceLeaseId(11), deadline_ns: big }),
+        (162, RequestQueued { request: RequestId(11) }),
+        (164, RequestScheduled { request: RequestId(11), cached_tokens: 0, kv: kvd([8, 0, 0, 0, -8, 1, 0]) }),
+        (
+            166,
+            SourcePinned {
+                handoff: h(2),
+                request: RequestId(11),
+                lease: SourceLeaseId(12),
+                blocks: 8,
+                deadline_ns: 170,
+                kv: kvd([-8, 8, 0, 0, 0, 0, 0]),
+            },
+        ),
         (170, LeaseExpired { handoff: h(2), lease: SourceLeaseId(12) }),
         (180, ReaderCompleted { handoff: h(1) }),
+        (
+            185,
+            MessageRejected {
+                handoff: h(1),
+                kind: MessageKind::Abort,
+                from: d,
+                generation: Generation(1),
+                why: MessageRejection::StaleGeneration,
+            },
+        ),
         (
             190,
             SourceReleased {
                 handoff: h(1),
                 lease: SourceLeaseId(11),
                 reason: EndReason::Success,
-                kv: kvd([0, -64, 0, 64, 0, 0, 0]),
+                kv: kvd([0, -64, 0, 64, 0, -1, 0]),
             },
         ),
         (
@@ -464,12 +522,14 @@ pub fn golden_facts() -> Vec<(u64, Fact)> {
                 handoff: h(2),
                 lease: SourceLeaseId(12),
                 reason: EndReason::Canceled(CancelReason::PeerLost),
-                kv: kvd([0, -8, 0, 0, 8, 0, 0]),
+                kv: kvd([0, -8, 0, 0, 8, -1, 0]),
             },
         ),
+        (195, PrefillBookingFreed { request: r, worker: p }),
         (200, DestinationRouted { handoff: h(3), worker: d }),
         (210, ReservationQueued { handoff: h(3) }),
         (220, ReservationRefused { handoff: h(3), reason: RejectReason::NoCapacity }),
+        (225, ReservationQueued { handoff: h(4) }),
         (230, ReservationDequeued { handoff: h(4), reason: CancelReason::RequestAborted }),
         (
             240,
@@ -494,6 +554,20 @@ pub fn golden_facts() -> Vec<(u64, Fact)> {
                 kv: kvd([40, 0, -40, 0, 0, 0, -128]),
             },
         ),
+        (275, RequestScheduled { request: RequestId(12), cached_tokens: 384, kv: KvDelta::ZERO }),
+        (
+            277,
+            DestinationReserved {
+                handoff: h(5),
+                request: RequestId(13),
+                reservation: DestinationReservationId(22),
+                pages: 10,
+                prefix_blocks: 0,
+                prefix_tokens: 0,
+                deadline_ns: 280,
+                kv: kvd([0, 0, 10, 0, -10, 1, 64]),
+            },
+        ),
         (280, ReservationExpired { handoff: h(5), reservation: DestinationReservationId(22) }),
         (
             290,
@@ -505,30 +579,15 @@ pub fn golden_facts() -> Vec<(u64, Fact)> {
             },
         ),
         (300, HandoffCanceled { handoff: h(6), reason: CancelReason::Teardown }),
-        (310, MessageSent { handoff: h(1), kind: MessageKind::SourceReady, to: d }),
         (
-            320,
-            MessageReceived {
-                handoff: h(1),
-                kind: MessageKind::DestinationReserved,
-                from: d,
-                generation: Generation(2),
+            360,
+            RequestFinished {
+                request: RequestId(12),
+                status: TerminalStatus::Completed,
+                output_tokens: 128,
+                kv: kvd([-40, 0, 0, 40, 0, -1, 0]),
             },
         ),
-        (
-            330,
-            MessageRejected {
-                handoff: h(1),
-                kind: MessageKind::Abort,
-                from: d,
-                generation: Generation(1),
-                why: MessageRejection::StaleGeneration,
-            },
-        ),
-        (340, PrefillBooked { request: r, worker: p, prefill_tokens: 768, blocks: 64 }),
-        (350, PrefillComputeDone { request: r, worker: p }),
-        (360, PrefillBookingFreed { request: r, worker: p }),
-        (370, DecodeBooked { request: r, worker: d, blocks: 72 }),
-        (big, DecodeBookingFreed { request: r, worker: d, status: TerminalStatus::Completed }),
+        (370, DecodeBookingFreed { request: r, worker: d, status: TerminalStatus::Completed }),
     ]
 }

@@ -1,6 +1,5 @@
 //! Shared helpers for the SGLang core tests: request builders and a checker that folds every
 //! emitted fact and compares the folds with the core after every call.
-#![allow(dead_code)]
 
 use handoff_ledger::events::{Fact, KvDelta};
 use handoff_ledger::ids::{HandoffId, RequestId, WorkerId};

@@ -1,17 +1,9 @@
-//! What the end-to-end tests of the binary share: running it, finding fixtures, replaying one.
-#![allow(dead_code)]
+//! What the end-to-end tests of the binary share: replaying a trace (running the binary and
+//! finding fixtures are [`super::cli`] and [`super::fixture`], re-exported here).
 
-use assert_cmd::Command;
+pub use super::{cli, fixture};
 use serde_json::Value;
-use std::path::{Path, PathBuf};
-
-pub fn cli() -> Command {
-    Command::cargo_bin("handoff-log").unwrap()
-}
-
-pub fn fixture(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(rel)
-}
+use std::path::Path;
 
 /// Replays `trace` (relative to fixtures/, or absolute) with `args` into `out`; returns the
 /// report JSON; panics with stderr and stdout on failure.

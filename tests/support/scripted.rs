@@ -3,8 +3,8 @@
 //! committed copies under `fixtures/runs/` are checked against a fresh write.
 //!
 //! Each request's prompt is 4 blocks (256 tokens at 64 tokens per block); decode books 8.
-#![allow(dead_code)]
 
+use super::{fixture, ms};
 use handoff_ledger::events::{
     EngineShape, Fact, KvDelta, RejectReason, RunWriter, StreamHeader, TerminalStatus,
 };
@@ -12,7 +12,6 @@ use handoff_ledger::ids::*;
 use std::path::{Path, PathBuf};
 
 pub const PROMPT_BLOCKS: i32 = 4;
-const MS: u64 = 1_000_000;
 const Z: KvDelta = KvDelta::ZERO;
 
 pub fn handoff_of(req: u64) -> HandoffId {
@@ -64,7 +63,7 @@ impl Script {
     }
 
     pub fn put(&mut self, worker: WorkerId, t_ms: u64, fact: Fact) {
-        self.pending.push((worker, t_ms * MS, fact));
+        self.pending.push((worker, ms(t_ms), fact));
     }
 
     fn started(&mut self, t: u64, worker: WorkerId, req: u64) {
@@ -136,7 +135,7 @@ impl Script {
                 request: r,
                 lease: SourceLeaseId(req),
                 blocks: PROMPT_BLOCKS as u32,
-                deadline_ns: (t + 480_000) * MS,
+                deadline_ns: ms(t + 480_000),
                 kv: KvDelta { active: -PROMPT_BLOCKS, pinned_source: PROMPT_BLOCKS, slots: -1, ..Z },
             },
         );
@@ -174,7 +173,7 @@ impl Script {
                 pages: PROMPT_BLOCKS as u32,
                 prefix_blocks: 0,
                 prefix_tokens: 0,
-                deadline_ns: (t + 300_000) * MS,
+                deadline_ns: ms(t + 300_000),
                 kv: KvDelta { free: -PROMPT_BLOCKS, reserved_destination: PROMPT_BLOCKS, ..Z },
             },
         );
@@ -226,7 +225,7 @@ impl Script {
                 prefill_tokens: 0,
                 decode_tokens: batch,
                 batch_size: batch,
-                duration_ns: 20 * MS,
+                duration_ns: ms(20),
                 kv: KvDelta { free: -blocks, active: blocks, ..Z },
             },
         );
@@ -502,8 +501,9 @@ pub fn write_failures(dir: &Path) {
     s.finish();
 }
 
+/// `fixtures/runs/`, where the scripted runs are committed beside the generated ones.
 pub fn fixtures_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/runs")
+    fixture("runs")
 }
 
 /// A fixture's name and the script that writes it.
