@@ -15,6 +15,7 @@ use crate::projections::capacity::KvCapacitySnapshot;
 use crate::projections::worker::WorkerFold;
 use crate::router::WorkerLoad;
 use crate::schedulers::SchedulerView;
+use crate::units::ms;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -148,7 +149,7 @@ impl AtReport {
             .collect();
         AtReport {
             time_ns: t_ns,
-            time_ms: t_ns as f64 / 1e6,
+            time_ms: ms(t_ns),
             workers,
             records_applied: folds.iter().map(|f| f.records).sum(),
             violations: folds.iter().filter_map(|f| f.violation.clone()).collect(),

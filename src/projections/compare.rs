@@ -20,11 +20,10 @@ use crate::projections::metrics::{MetricsFold, MetricsReport, Slo};
 use crate::projections::run::ProjectError;
 use crate::projections::timeline::{esc, fmt_tick, layer_path, nice_step, Downsampler, Sample};
 use crate::router::RouterMode;
+use crate::units::NS_PER_MS_F64;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-
-const NS_PER_MS: f64 = 1e6;
 
 /// What a replay records about itself in its router stream's header (`config_json`). Every
 /// field is optional: a reader takes what is there and ignores keys it does not know.
@@ -213,8 +212,8 @@ pub fn summarize_run(
         sample(last_at_ns, blocks, first_at_ns);
     }
     let blocks_series = series.map(|s| s.points()).unwrap_or_default();
-    let ttft_cdf_ms = metrics.ttft_distribution().cdf(NS_PER_MS, opts.cdf_points);
-    let e2e_cdf_ms = metrics.e2e_distribution().cdf(NS_PER_MS, opts.cdf_points);
+    let ttft_cdf_ms = metrics.ttft_distribution().cdf(NS_PER_MS_F64, opts.cdf_points);
+    let e2e_cdf_ms = metrics.e2e_distribution().cdf(NS_PER_MS_F64, opts.cdf_points);
     let report = metrics.report();
     let (post_mortem, _) = inspect.finish();
     let description = headers
@@ -333,8 +332,8 @@ pub fn render_svg(runs: &[RunSummary], names: &[String]) -> String {
     // Strips share one time axis (from each run's first record) and one block scale.
     let span_ns = runs.iter().map(|r| r.last_at_ns.saturating_sub(r.first_at_ns)).max().unwrap_or(0).max(1);
     let top_blocks = runs.iter().map(|r| r.peak_pinned_plus_reserved_blocks).max().unwrap_or(0).max(1);
-    let (unit, div) = time_unit(span_ns as f64 / NS_PER_MS);
-    let span = span_ns as f64 / NS_PER_MS / div;
+    let (unit, div) = time_unit(span_ns as f64 / NS_PER_MS_F64);
+    let span = span_ns as f64 / NS_PER_MS_F64 / div;
     let step = nice_step(span, 10.0);
     let (x0, x1) = (LEFT, WIDTH - RIGHT);
     let x_of = |t_ns: u64, origin: u64| {

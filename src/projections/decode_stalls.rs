@@ -12,7 +12,8 @@
 use crate::events::Fact;
 use crate::ids::{HandoffId, RequestId, WorkerId};
 use crate::projections::capacity::KvCapacitySnapshot;
-use crate::projections::inspect::{ms, pct, MAX_INTERVALS_PER_WORKER};
+use crate::projections::inspect::{pct, MAX_INTERVALS_PER_WORKER};
+use crate::units::{ms, NS_PER_MS};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -282,8 +283,8 @@ impl DecodeWatch {
             worker,
             // A threshold of 0 would make every instant a storm; 1 is the least that means anything.
             storm_preemptions: storm_preemptions.max(1) as usize,
-            storm_window_ns: storm_window_ms.saturating_mul(1_000_000).max(1),
-            stall_ns: stall_ms.saturating_mul(1_000_000),
+            storm_window_ns: storm_window_ms.saturating_mul(NS_PER_MS).max(1),
+            stall_ns: stall_ms.saturating_mul(NS_PER_MS),
             queue: AdmissionQueue::default(),
             released_blocks: BTreeMap::new(),
             reserved: BTreeMap::new(),

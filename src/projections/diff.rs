@@ -54,6 +54,7 @@ use crate::lifecycle::policy::Milestone;
 use crate::projections::bookings::{is_booking_fact, BookingFold};
 use crate::projections::capacity::KvCapacitySnapshot;
 use crate::projections::handoffs::{HandoffEntry, HandoffLedger, HandoffOutcome};
+use crate::units::ms;
 use serde::ser::SerializeStruct;
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
@@ -321,8 +322,8 @@ impl Acc {
                 b: lb.clone(),
                 detail: format!(
                     "{what}: A {:.3} ms, B {:.3} ms ({pct:.1}% apart, tolerance {}%)",
-                    a as f64 / 1e6,
-                    b as f64 / 1e6,
+                    ms(a),
+                    ms(b),
                     self.opts.timing_tolerance_pct
                 ),
             });

@@ -103,22 +103,17 @@ use crate::projections::run::ProjectError;
 use crate::projections::scheduler::SchedulerFold;
 use crate::projections::timeline::{Downsampler, Sample};
 use crate::schedulers::SchedulerView;
+use crate::units::{ms, NS_PER_MS, NS_PER_MS_F64};
 use serde::Serialize;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::path::Path;
-
-const NS_PER_MS: f64 = 1e6;
 
 /// Stall intervals and divergence intervals kept per worker (the rest are only counted).
 pub const MAX_INTERVALS_PER_WORKER: usize = 64;
 /// Finished handoffs remembered so that stray late facts (a message arriving after both roles
 /// ended) do not reopen them. Bounded; older ids are forgotten.
 const FINISHED_MEMORY: usize = 1 << 16;
-
-pub(crate) fn ms(ns: u64) -> f64 {
-    ns as f64 / NS_PER_MS
-}
 
 pub(crate) fn pct(part: u64, total: u64) -> f64 {
     if total == 0 {
@@ -1045,7 +1040,7 @@ impl InspectFold {
     /// The state after the last record at `t` holds over `[t, next)`: judge it.
     fn settle(&mut self, t: u64, next: u64) {
         let opts = self.opts;
-        let stall_ns = opts.stall_ms.saturating_mul(1_000_000);
+        let stall_ns = opts.stall_ms.saturating_mul(NS_PER_MS);
         // Decode pressure (cluster level), judged first so an episode that starts at `t` can
         // trigger a stall that starts at `t`.
         // (worker, full, pending reservations, refused), built into words only when kept.
@@ -1434,7 +1429,7 @@ impl InspectFold {
         });
 
         let gating = self.gating_first_ns.map(|first| {
-            let wait = self.gating_wait.stats(NS_PER_MS);
+            let wait = self.gating_wait.stats(NS_PER_MS_F64);
             let summary = format!(
                 "{} reservations waited in decode FIFOs ahead of prefill dispatch (from {:.3} ms; wait p50 {:.3} ms, max {:.3} ms): capacity waiting happened before prefill, not as stranded source KV",
                 self.gating_count,
@@ -1457,8 +1452,8 @@ impl InspectFold {
             .map(|((name, meaning), acc)| Phase {
                 phase: name,
                 meaning,
-                total_ms: acc.total_ns as f64 / NS_PER_MS,
-                stats_ms: acc.dist.stats(NS_PER_MS),
+                total_ms: acc.total_ns as f64 / NS_PER_MS_F64,
+                stats_ms: acc.dist.stats(NS_PER_MS_F64),
             })
             .collect();
         phases.insert(
@@ -1466,8 +1461,8 @@ impl InspectFold {
             Phase {
                 phase: "source_pinned",
                 meaning: "source pinned → released (or run end): all stranded time",
-                total_ms: self.pin_total.total_ns as f64 / NS_PER_MS,
-                stats_ms: self.pin_total.dist.stats(NS_PER_MS),
+                total_ms: self.pin_total.total_ns as f64 / NS_PER_MS_F64,
+                stats_ms: self.pin_total.dist.stats(NS_PER_MS_F64),
             },
         );
 

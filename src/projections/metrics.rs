@@ -28,6 +28,7 @@
 use crate::events::{Fact, Record, StreamHeader, TerminalStatus};
 use crate::ids::{HandoffId, RequestId, Role, WorkerId};
 use crate::projections::distribution::{Distribution, Stats};
+use crate::units::{ms, NS_PER_MS_F64};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -119,7 +120,7 @@ impl Slo {
         let within =
             |limit_ms: Option<f64>, value_ns: Option<u64>, missing_meets: bool| match (limit_ms, value_ns) {
                 (None, _) => true,
-                (Some(l), Some(v)) => v as f64 / NS_PER_MS <= l,
+                (Some(l), Some(v)) => v as f64 / NS_PER_MS_F64 <= l,
                 (Some(_), None) => missing_meets,
             };
         within(self.ttft_ms, ttft_ns, false)
@@ -393,14 +394,8 @@ impl MetricsReport {
     }
 }
 
-const NS_PER_MS: f64 = 1e6;
-
 /// Most ended requests' records held back to keep arrival order (see `write_records_upto`).
 const MAX_HELD_RECORDS: usize = 1 << 16;
-
-fn ms(ns: u64) -> f64 {
-    ns as f64 / NS_PER_MS
-}
 
 /// A stable per-request UUID derived from the run's seed and the request index.
 pub fn request_uuid(seed: u64, request: RequestId) -> uuid::Uuid {
@@ -872,20 +867,20 @@ impl MetricsFold {
             } else {
                 0.0
             },
-            ttft_ms: self.ttft.stats(NS_PER_MS),
-            tpot_ms: self.tpot.stats(NS_PER_MS),
-            itl_ms: self.itl.stats(NS_PER_MS),
-            e2e_latency_ms: self.e2e.stats(NS_PER_MS),
+            ttft_ms: self.ttft.stats(NS_PER_MS_F64),
+            tpot_ms: self.tpot.stats(NS_PER_MS_F64),
+            itl_ms: self.itl.stats(NS_PER_MS_F64),
+            e2e_latency_ms: self.e2e.stats(NS_PER_MS_F64),
             output_token_throughput_per_user: self.per_user_tok_s_milli.stats(1e3),
             handoffs_started: self.handoffs_started,
             leases_expired: self.leases_expired,
             reservations_expired: self.reservations_expired,
             handoffs_canceled: self.handoffs_canceled,
             pinned_block_seconds,
-            source_pin_ms: self.pin.stats(NS_PER_MS),
-            prefill_done_to_reserved_ms: self.pinned_to_reserved.stats(NS_PER_MS),
-            reservation_wait_ms: self.reservation_wait.stats(NS_PER_MS),
-            stall_ms: self.stall.stats(NS_PER_MS),
+            source_pin_ms: self.pin.stats(NS_PER_MS_F64),
+            prefill_done_to_reserved_ms: self.pinned_to_reserved.stats(NS_PER_MS_F64),
+            reservation_wait_ms: self.reservation_wait.stats(NS_PER_MS_F64),
+            stall_ms: self.stall.stats(NS_PER_MS_F64),
             terminal_reasons: self.reasons.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
             slo: (!self.slo.is_empty()).then_some(self.slo),
             goodput_rps: (!self.slo.is_empty()).then(|| per_s(self.slo_met)),

@@ -9,6 +9,7 @@ use crate::projections::metrics::{MetricsFold, MetricsReport};
 use crate::projections::scheduler::ViewViolation;
 use crate::projections::worker::{WorkerFold, WorkerViolation};
 use crate::schedulers::SchedulerView;
+use crate::units::ms;
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -28,7 +29,7 @@ pub enum ProjectError {
 impl ProjectError {
     /// `violation` of `worker`'s record `rec`, located.
     pub fn located(worker: WorkerId, rec: &Record, violation: WorkerViolation) -> Self {
-        let (seq, at_ms) = (rec.seq, rec.at_ns as f64 / 1e6);
+        let (seq, at_ms) = (rec.seq, ms(rec.at_ns));
         match violation {
             WorkerViolation::Capacity(violation) => ProjectError::Capacity { worker, seq, at_ms, violation },
             WorkerViolation::View(violation) => ProjectError::View { worker, seq, at_ms, violation },

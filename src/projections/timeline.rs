@@ -17,11 +17,10 @@ use crate::events::{RunReader, StreamHeader};
 use crate::ids::{Role, WorkerId};
 use crate::projections::inspect::{InspectFold, InspectOptions};
 use crate::projections::run::ProjectError;
+use crate::units::NS_PER_MS_F64;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
-
-const NS_PER_MS: f64 = 1e6;
 
 /// What to draw.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -390,7 +389,7 @@ pub fn collect_with_progress(
         .as_ref()
         .map(|g| g.per_worker.iter().map(|w| (w.worker, w.handoffs, w.peak_pending)).collect())
         .unwrap_or_default();
-    let ns = |ms: f64| (ms * NS_PER_MS).round() as u64;
+    let ns = |ms: f64| (ms * NS_PER_MS_F64).round() as u64;
     let stalls = report
         .cascade
         .map(|c| {
@@ -546,9 +545,9 @@ pub fn render_svg(data: &TimelineData) -> String {
     let _ = write!(svg, r#"<rect x="0" y="0" width="{WIDTH:.0}" height="{height:.0}" fill="white"/>"#);
     // Title: run info from the headers.
     let h0 = data.headers.first();
-    let span_ms = (data.to_ns - data.from_ns) as f64 / NS_PER_MS;
+    let span_ms = (data.to_ns - data.from_ns) as f64 / NS_PER_MS_F64;
     let use_s = span_ms >= 10_000.0;
-    let (unit, div) = if use_s { ("s", 1e9) } else { ("ms", NS_PER_MS) };
+    let (unit, div) = if use_s { ("s", 1e9) } else { ("ms", NS_PER_MS_F64) };
     let title = match h0 {
         Some(h) => format!(
             "KV blocks per worker · {} · {} · seed {} · run {}",

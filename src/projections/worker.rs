@@ -14,6 +14,7 @@ use crate::projections::bookings::{BookingFold, BookingViolation};
 use crate::projections::capacity::{CapacityViolation, KvCapacitySnapshot};
 use crate::projections::scheduler::{SchedulerFold, ViewViolation};
 use crate::schedulers::SchedulerView;
+use crate::units::ms;
 use serde::{Deserialize, Serialize};
 
 /// A record the fold refused: the stream contradicts itself. The refused part changes nothing.
@@ -130,12 +131,8 @@ impl WorkerFold {
             None => Ok(change),
             Some(e) => {
                 if self.violation.is_none() {
-                    self.violation = Some(format!(
-                        "{} seq {} (t={:.3} ms): {e}",
-                        self.worker,
-                        rec.seq,
-                        rec.at_ns as f64 / 1e6
-                    ));
+                    self.violation =
+                        Some(format!("{} seq {} (t={:.3} ms): {e}", self.worker, rec.seq, ms(rec.at_ns)));
                 }
                 Err(e)
             }

@@ -7,6 +7,7 @@ use crate::out::Out;
 use crate::CliError;
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
 use handoff_ledger::projections::diff::{diff_runs, DiffKind, DiffOptions, DiffReport, Location};
+use handoff_ledger::units::ms;
 use std::path::Path;
 
 pub fn run(
@@ -42,7 +43,7 @@ pub fn run(
 
 fn loc(l: &Option<Location>) -> String {
     match l {
-        Some(l) => format!("{} seq {} ({}, t={:.3} ms)", l.worker, l.seq, l.fact, l.at_ns as f64 / 1e6),
+        Some(l) => format!("{} seq {} ({}, t={:.3} ms)", l.worker, l.seq, l.fact, ms(l.at_ns)),
         None => "-".into(),
     }
 }

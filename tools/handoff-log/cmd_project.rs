@@ -8,6 +8,7 @@ use handoff_ledger::lifecycle::policy::Milestone;
 use handoff_ledger::projections::run::{
     project_capacity, project_handoffs, project_metrics, project_scheduler,
 };
+use handoff_ledger::units::ms;
 use serde_json::json;
 use std::path::Path;
 
@@ -30,12 +31,13 @@ pub enum Projection {
     Series,
 }
 
-fn ms(ns: u64) -> String {
-    format!("{:.3}", ns as f64 / 1e6)
+/// A time on the run's clock as the tables print it.
+fn ms_text(ns: u64) -> String {
+    format!("{:.3}", ms(ns))
 }
 
 fn opt_ms(ns: Option<u64>) -> serde_json::Value {
-    ns.map_or(serde_json::Value::Null, |v| json!(v as f64 / 1e6))
+    ns.map_or(serde_json::Value::Null, |v| json!(ms(v)))
 }
 
 /// Per-request records through the metrics fold's own sink (the same lines replay writes).
@@ -126,9 +128,12 @@ fn series(run: &mut RunReader, out: &mut Out, csv: bool) -> Result<(), CliError>
             let (c, q) = now;
             if csv {
                 let cells: Vec<String> = c.with_queues(&q).iter().map(u64::to_string).collect();
-                out.line(&format!("{:.3},{},{}", at_ns as f64 / 1e6, f.worker, cells.join(",")))?;
+                out.line(&format!("{:.3},{},{}", ms(at_ns), f.worker, cells.join(",")))?;
             } else {
-                out.line(&json!({"at_ms": at_ns as f64 / 1e6, "worker": f.worker.to_string(), "capacity": c, "queues": q}).to_string())?;
+                out.line(
+                    &json!({"at_ms": ms(at_ns), "worker": f.worker.to_string(), "capacity": c, "queues": q})
+                        .to_string(),
+                )?;
             }
             last[i] = Some(now);
         }
@@ -187,7 +192,7 @@ pub fn run(log: &Path, what: Projection, json_out: bool, csv: bool) -> Result<u8
                             "decode_headroom_tokens": s.decode_headroom_tokens,
                             "peak_active_blocks": r.peak_active.blocks,
                             "peak_pinned_source_blocks": r.peak_pinned_source.blocks,
-                            "peak_pinned_source_at_ms": r.peak_pinned_source.at_ns as f64 / 1e6,
+                            "peak_pinned_source_at_ms": ms(r.peak_pinned_source.at_ns),
                             "peak_reserved_destination_blocks": r.peak_reserved_destination.blocks,
                             "peak_kv_used_blocks": r.peak_kv_used.blocks,
                             "transitions": r.transitions,
@@ -225,7 +230,7 @@ pub fn run(log: &Path, what: Projection, json_out: bool, csv: bool) -> Result<u8
                         s.total_blocks.to_string(),
                         s.request_slots_used.to_string(),
                         s.decode_headroom_tokens.to_string(),
-                        format!("{} ({})", r.peak_pinned_source.blocks, ms(r.peak_pinned_source.at_ns)),
+                        format!("{} ({})", r.peak_pinned_source.blocks, ms_text(r.peak_pinned_source.at_ns)),
                         r.peak_kv_used.blocks.to_string(),
                     ]);
                 }
@@ -251,7 +256,7 @@ pub fn run(log: &Path, what: Projection, json_out: bool, csv: bool) -> Result<u8
                             "destination_reserved_ms": opt_ms(e.reserved_at_ns),
                             "destination_activated_ms": opt_ms(e.activated_at_ns),
                             "source_released_ms": opt_ms(e.source_released_at_ns),
-                            "pinned_ms": e.pinned_ns(end).map(|v| v as f64 / 1e6),
+                            "pinned_ms": e.pinned_ns(end).map(ms),
                             "pinned_blocks": e.pinned_blocks,
                             "reserved_pages": e.reserved_pages,
                             "transfer_bytes": e.transfer_bytes,
@@ -281,7 +286,7 @@ pub fn run(log: &Path, what: Projection, json_out: bool, csv: bool) -> Result<u8
                         e.source.map(|w| w.to_string()).unwrap_or_default(),
                         e.destination.map(|w| w.to_string()).unwrap_or_default(),
                         format!("{:?}", e.outcome()),
-                        e.pinned_ns(end).map(ms).unwrap_or_default(),
+                        e.pinned_ns(end).map(ms_text).unwrap_or_default(),
                         e.pinned_blocks.to_string(),
                         Milestone::join(&e.normalized(), " → "),
                     ]);

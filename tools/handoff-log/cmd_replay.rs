@@ -12,6 +12,7 @@ use handoff_ledger::projections::compare::router_label;
 use handoff_ledger::projections::metrics::Slo;
 use handoff_ledger::projections::{PerRequest, PerRequestSink};
 use handoff_ledger::router::RouterMode;
+use handoff_ledger::units::ms;
 use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter, IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
@@ -313,7 +314,7 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         }
         for f in &outcome.faults {
             let when = match f.fired_at_ns {
-                Some(t) => format!("fired at {:.3} ms", t as f64 / 1e6),
+                Some(t) => format!("fired at {:.3} ms", ms(t)),
                 None => "NOT fired".to_string(),
             };
             out.line(&format!(

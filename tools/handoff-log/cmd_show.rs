@@ -4,6 +4,7 @@ use crate::out::Out;
 use crate::CliError;
 use handoff_ledger::events::{Fact, Record, RunReader};
 use handoff_ledger::ids::{HandoffId, RequestId, WorkerId};
+use handoff_ledger::units::ms;
 use serde_json::{Map, Value};
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -199,7 +200,7 @@ pub fn text_line(w: WorkerId, rec: &Record) -> String {
     }
     format!(
         "{:>14.3} {:<10} {:>8} {:<20} {}",
-        rec.at_ns as f64 / 1e6,
+        ms(rec.at_ns),
         w.to_string(),
         rec.seq,
         rec.fact.name(),

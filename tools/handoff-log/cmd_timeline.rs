@@ -4,6 +4,7 @@ use crate::CliError;
 use handoff_ledger::ids::WorkerId;
 use handoff_ledger::projections::at::parse_time;
 use handoff_ledger::projections::timeline::{collect_with_progress, render_svg, TimelineOptions, YAxis};
+use handoff_ledger::units::ms;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -96,7 +97,6 @@ pub fn run(args: &TimelineArgs) -> Result<u8, CliError> {
     std::fs::write(&args.svg, svg.as_bytes())
         .map_err(|e| CliError::new(2, format!("writing {}: {e}", args.svg.display())))?;
     if args.json {
-        let ms = |ns: u64| ns as f64 / 1e6;
         let workers: Vec<_> = data
             .workers
             .iter()

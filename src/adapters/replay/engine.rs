@@ -55,7 +55,7 @@ use crate::schedulers::{
 use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
 
-const NS_PER_MS: u64 = 1_000_000;
+use crate::units::NS_PER_MS;
 /// Zero-duration steps in a row at one instant before a worker is declared stuck in a loop.
 const MAX_ZERO_STEPS: u32 = 10_000;
 

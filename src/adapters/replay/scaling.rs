@@ -23,7 +23,7 @@ use crate::ids::Role;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 
-const NS_PER_MS: u64 = 1_000_000;
+use crate::units::NS_PER_MS;
 
 /// Completed requests the planner remembers at most; older ones leave the ring first (a window
 /// holding more would be judged on its latest requests only).
