@@ -90,13 +90,13 @@
 //! flight, never with the length of the log.
 //!
 //! ## Code
-//! [`fold`] is the streaming fold of pass one: each engine worker's capacity, scheduler view
+//! `fold` is the streaming fold of pass one: each engine worker's capacity, scheduler view
 //! and peaks, settled instant by instant, handing each concern its part of the state:
-//! [`cascade`] (hot pins, stalled admission, decode-pressure episodes and the trigger),
-//! [`bookings`] (router bookings beside occupancy, divergences), [`wait_breakdown`]
+//! `cascade` (hot pins, stalled admission, decode-pressure episodes and the trigger),
+//! `bookings` (router bookings beside occupancy, divergences), `wait_breakdown`
 //! (per-handoff milestones: phases, outcomes, gating waits, the longest pins) and
-//! [`crate::projections::decode_stalls`] (preemption storms, head-of-line blocking).
-//! [`longest_pinned`] is pass two; [`report`] holds the serialized types.
+//! [`decode_stalls`] (preemption storms, head-of-line blocking).
+//! `longest_pinned` is pass two; `report` holds the serialized types.
 
 mod bookings;
 mod cascade;
