@@ -20,5 +20,6 @@ pub mod decode_stalls;
 pub mod diff;
 pub mod inspect;
 pub mod run;
+pub mod svg;
 pub mod timeline;
 pub mod worker;
