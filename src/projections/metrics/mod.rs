@@ -24,157 +24,23 @@
 //!
 //! Memory grows with requests in flight: finished requests leave the fold (optionally through a
 //! per-request sink) and distributions have bounded buckets.
+//!
+//! The fold is here; `slo` parses and judges latency objectives, `per_request` holds the
+//! per-request record, `report` the report and its flat JSON.
+
+mod per_request;
+mod report;
+mod slo;
+
+pub use per_request::{request_uuid, PerRequest, PerRequestSink};
+pub use report::MetricsReport;
+pub use slo::{Slo, SLO_KEYS};
 
 use crate::events::{Fact, Record, StreamHeader, TerminalStatus};
 use crate::ids::{HandoffId, RequestId, Role, WorkerId};
-use crate::projections::distribution::{Distribution, Stats};
+use crate::projections::distribution::Distribution;
 use crate::units::{ms, NS_PER_MS_F64};
-use serde::Serialize;
-use serde_json::{Map, Value};
 use std::collections::BTreeMap;
-
-/// One request's figures, written as a JSON line by `--per-request`. Key names follow the
-/// reference mocker's per-request report so existing scripts keep working.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct PerRequest {
-    pub uuid: String,
-    pub request_id: u64,
-    pub arrival_time_ms: f64,
-    pub first_token_ms: Option<f64>,
-    pub terminal_time_ms: Option<f64>,
-    pub ttft_ms: Option<f64>,
-    pub tpot_ms: Option<f64>,
-    pub e2e_latency_ms: Option<f64>,
-    pub input_length: u32,
-    pub requested_output_length: u32,
-    pub output_length: u32,
-    pub reused_input_tokens: u32,
-    pub prefill_worker_idx: Option<u32>,
-    pub decode_worker_idx: Option<u32>,
-    pub handoff_id: Option<String>,
-    pub prefill_admit_ms: Option<f64>,
-    pub source_held_ms: Option<f64>,
-    pub destination_reserved_ms: Option<f64>,
-    pub destination_activated_ms: Option<f64>,
-    pub decode_admit_ms: Option<f64>,
-    pub source_released_ms: Option<f64>,
-    pub terminal_status: Option<&'static str>,
-    /// Why it ended: `completed`, a rejection (`never-fits`, `no-capacity`, ...), or the
-    /// handoff's first failure (`lease-expired`, `reservation-expired`, `bootstrap-timeout`,
-    /// `transfer-failed`, `peer-lost`, ...). See docs/per-request.md.
-    pub terminal_reason: Option<&'static str>,
-    /// Times a decode or aggregated engine preempted (vLLM) or retracted (SGLang) it.
-    pub preemptions: u32,
-    /// The KV transfer, from its start on the destination to receive completion (with NIC
-    /// contention: queueing for a transfer slot included; `transfer_queued_ms` is that part).
-    pub transfer_ms: Option<f64>,
-    pub transfer_queued_ms: Option<f64>,
-    /// Output stalls those caused: the summed gaps from the token before each preemption to
-    /// the token after it (each gap is also one ITL sample).
-    pub stall_ms: f64,
-}
-
-/// Latency objectives a request must all meet to count toward goodput (DistServe's
-/// definition). Thresholds are ms; a missing one is not checked.
-///
-/// * `ttft_ms`: the request's time to first token;
-/// * `itl_ms` and `tpot_ms`: the request's mean inter-token gap, `(last token − first token) /
-///   (output tokens − 1)` (its TPOT). The fold sees no per-token times for a request, only its
-///   first and last token, so `itl_ms` is checked against that mean as well; a request with one
-///   output token has no gap and meets both;
-/// * `e2e_ms`: arrival to last token.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
-pub struct Slo {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub ttft_ms: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub itl_ms: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tpot_ms: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub e2e_ms: Option<f64>,
-}
-
-/// The keys `Slo::from_str` accepts, in the order they are printed.
-pub const SLO_KEYS: [&str; 4] = ["ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"];
-
-impl Slo {
-    /// No threshold given: goodput is not computed.
-    pub fn is_empty(&self) -> bool {
-        // Checked once per completed request: no allocation.
-        self.ttft_ms.is_none() && self.itl_ms.is_none() && self.tpot_ms.is_none() && self.e2e_ms.is_none()
-    }
-
-    /// The given thresholds as `(key, ms)`, in [`SLO_KEYS`] order.
-    pub fn thresholds(&self) -> Vec<(&'static str, f64)> {
-        [self.ttft_ms, self.itl_ms, self.tpot_ms, self.e2e_ms]
-            .into_iter()
-            .zip(SLO_KEYS)
-            .filter_map(|(v, k)| v.map(|v| (k, v)))
-            .collect()
-    }
-
-    /// Whether a completed request with these figures (ns) met every given threshold. A request
-    /// without a first token fails a TTFT objective; one without a gap meets the gap objectives.
-    fn met(&self, ttft_ns: Option<u64>, tpot_ns: Option<u64>, e2e_ns: u64) -> bool {
-        let within =
-            |limit_ms: Option<f64>, value_ns: Option<u64>, missing_meets: bool| match (limit_ms, value_ns) {
-                (None, _) => true,
-                (Some(l), Some(v)) => v as f64 / NS_PER_MS_F64 <= l,
-                (Some(_), None) => missing_meets,
-            };
-        within(self.ttft_ms, ttft_ns, false)
-            && within(self.itl_ms, tpot_ns, true)
-            && within(self.tpot_ms, tpot_ns, true)
-            && within(self.e2e_ms, Some(e2e_ns), false)
-    }
-}
-
-impl std::fmt::Display for Slo {
-    /// `ttft_ms=2000,itl_ms=50`: what `from_str` reads.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let parts: Vec<String> = self.thresholds().iter().map(|(k, v)| format!("{k}={v}")).collect();
-        f.write_str(&parts.join(","))
-    }
-}
-
-impl std::str::FromStr for Slo {
-    type Err = String;
-
-    /// Reads `key=ms[,key=ms...]` with keys from [`SLO_KEYS`], each at most once, values finite
-    /// and > 0.
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let mut slo = Slo::default();
-        for part in s.split(',').map(str::trim) {
-            if part.is_empty() {
-                return Err(format!("empty entry in `{s}` (expected key=ms[,key=ms...])"));
-            }
-            let Some((key, value)) = part.split_once('=') else {
-                return Err(format!("`{part}`: expected key=ms, e.g. ttft_ms=2000"));
-            };
-            let key = key.trim();
-            let slot = match key {
-                "ttft_ms" => &mut slo.ttft_ms,
-                "itl_ms" => &mut slo.itl_ms,
-                "tpot_ms" => &mut slo.tpot_ms,
-                "e2e_ms" => &mut slo.e2e_ms,
-                other => {
-                    return Err(format!("unknown SLO key `{other}` (expected {})", SLO_KEYS.join(", ")));
-                }
-            };
-            let ms: f64 = value
-                .trim()
-                .parse()
-                .ok()
-                .filter(|v: &f64| v.is_finite() && *v > 0.0)
-                .ok_or_else(|| format!("{key}: `{}` is not a time in ms greater than 0", value.trim()))?;
-            if slot.replace(ms).is_some() {
-                return Err(format!("{key} is given twice"));
-            }
-        }
-        Ok(slo)
-    }
-}
 
 #[derive(Clone, Debug, Default)]
 struct InFlight {
@@ -221,9 +87,6 @@ struct StreamState {
     joined_ns: Option<u64>,
     left_ns: Option<u64>,
 }
-
-/// Receives each request's figures as it ends (`--per-request` writes them as JSON lines).
-pub type PerRequestSink = Box<dyn FnMut(&PerRequest) + Send>;
 
 /// The fold.
 #[derive(Default)]
@@ -272,137 +135,8 @@ pub struct MetricsFold {
     slo_met: u64,
 }
 
-/// The report, with the reference's key names. `to_json` flattens the statistics as
-/// `mean_ttft_ms`, `median_ttft_ms`, `p99_ttft_ms`, ...
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct MetricsReport {
-    pub num_requests: u64,
-    pub completed_requests: u64,
-    pub rejected_requests: u64,
-    pub failed_requests: u64,
-    pub canceled_requests: u64,
-    pub total_input_tokens: u64,
-    pub total_output_tokens: u64,
-    pub duration_ms: f64,
-    pub request_throughput_rps: f64,
-    pub input_throughput_tok_s: f64,
-    pub output_throughput_tok_s: f64,
-    pub total_throughput_tok_s: f64,
-    pub prefix_cache_reused_ratio: f64,
-    pub ttft_ms: Stats,
-    pub tpot_ms: Stats,
-    pub itl_ms: Stats,
-    pub e2e_latency_ms: Stats,
-    pub output_token_throughput_per_user: Stats,
-    pub handoffs_started: u64,
-    pub leases_expired: u64,
-    pub reservations_expired: u64,
-    pub handoffs_canceled: u64,
-    /// Pinned source block-seconds per prefill worker.
-    pub pinned_block_seconds: BTreeMap<String, f64>,
-    pub source_pin_ms: Stats,
-    pub prefill_done_to_reserved_ms: Stats,
-    pub reservation_wait_ms: Stats,
-    /// Output stalls from preemption / retraction (each also an ITL sample).
-    pub stall_ms: Stats,
-    /// Ended requests by `terminal_reason`.
-    pub terminal_reasons: BTreeMap<String, u64>,
-    /// The objectives goodput was judged by; `None` when none was given.
-    pub slo: Option<Slo>,
-    /// Completed requests per second (over `duration_ms`) that met every objective.
-    pub goodput_rps: Option<f64>,
-    /// The share of all requests (`num_requests`, whatever their outcome) that completed and
-    /// met every objective.
-    pub goodput_fraction: Option<f64>,
-    /// Per role, the integral of the workers present over the run's duration: a worker counts
-    /// from its join (first `SessionStarted`) to its leave (`WorkerLeft`) or the end.
-    pub worker_seconds_prefill: f64,
-    pub worker_seconds_decode: f64,
-    pub worker_seconds_aggregated: f64,
-}
-
-impl MetricsReport {
-    /// Worker-seconds over every role.
-    pub fn worker_seconds(&self) -> f64 {
-        self.worker_seconds_prefill + self.worker_seconds_decode + self.worker_seconds_aggregated
-    }
-}
-
-impl MetricsReport {
-    /// The flat JSON object of the reference's summary plus our stranding figures.
-    pub fn to_json(&self) -> Value {
-        let mut m = Map::new();
-        let mut put = |k: &str, v: Value| {
-            m.insert(k.to_string(), v);
-        };
-        put("num_requests", self.num_requests.into());
-        put("completed_requests", self.completed_requests.into());
-        put("rejected_requests", self.rejected_requests.into());
-        put("failed_requests", self.failed_requests.into());
-        put("canceled_requests", self.canceled_requests.into());
-        put("total_input_tokens", self.total_input_tokens.into());
-        put("total_output_tokens", self.total_output_tokens.into());
-        put("duration_ms", self.duration_ms.into());
-        put("request_throughput_rps", self.request_throughput_rps.into());
-        put("input_throughput_tok_s", self.input_throughput_tok_s.into());
-        put("output_throughput_tok_s", self.output_throughput_tok_s.into());
-        put("total_throughput_tok_s", self.total_throughput_tok_s.into());
-        put("prefix_cache_reused_ratio", self.prefix_cache_reused_ratio.into());
-        put("num_ttft_samples", self.ttft_ms.count.into());
-        put("num_tpot_samples", self.tpot_ms.count.into());
-        put("num_e2e_latency_samples", self.e2e_latency_ms.count.into());
-        put("handoffs_started", self.handoffs_started.into());
-        put("leases_expired", self.leases_expired.into());
-        put("reservations_expired", self.reservations_expired.into());
-        put("handoffs_canceled", self.handoffs_canceled.into());
-        put("pinned_block_seconds", serde_json::to_value(&self.pinned_block_seconds).unwrap_or(Value::Null));
-        put("num_itl_samples", self.itl_ms.count.into());
-        put("num_stalls", self.stall_ms.count.into());
-        put("terminal_reasons", serde_json::to_value(&self.terminal_reasons).unwrap_or(Value::Null));
-        put("slo", self.slo.and_then(|s| serde_json::to_value(s).ok()).unwrap_or(Value::Null));
-        put("goodput_rps", self.goodput_rps.into());
-        put("goodput_fraction", self.goodput_fraction.into());
-        put("worker_seconds_prefill", self.worker_seconds_prefill.into());
-        put("worker_seconds_decode", self.worker_seconds_decode.into());
-        put("worker_seconds_aggregated", self.worker_seconds_aggregated.into());
-        for (name, unit, s) in [
-            ("ttft", "_ms", &self.ttft_ms),
-            ("tpot", "_ms", &self.tpot_ms),
-            ("itl", "_ms", &self.itl_ms),
-            ("e2e_latency", "_ms", &self.e2e_latency_ms),
-            ("output_token_throughput_per_user", "", &self.output_token_throughput_per_user),
-            ("source_pin", "_ms", &self.source_pin_ms),
-            ("prefill_done_to_reserved", "_ms", &self.prefill_done_to_reserved_ms),
-            ("reservation_wait", "_ms", &self.reservation_wait_ms),
-            ("stall", "_ms", &self.stall_ms),
-        ] {
-            for (stat, v) in [
-                ("mean", s.mean),
-                ("min", s.min),
-                ("max", s.max),
-                ("median", s.p50),
-                ("p75", s.p75),
-                ("p90", s.p90),
-                ("p95", s.p95),
-                ("p99", s.p99),
-                ("std", s.std),
-            ] {
-                put(&format!("{stat}_{name}{unit}"), v.into());
-            }
-        }
-        Value::Object(m)
-    }
-}
-
 /// Most ended requests' records held back to keep arrival order (see `write_records_upto`).
 const MAX_HELD_RECORDS: usize = 1 << 16;
-
-/// A stable per-request UUID derived from the run's seed and the request index.
-pub fn request_uuid(seed: u64, request: RequestId) -> uuid::Uuid {
-    let hi = crate::schedulers::request::mix(seed ^ 0x5_eed0_f4e9_0e57, request.0);
-    let lo = crate::schedulers::request::mix(hi, request.0 ^ 0x0123_4567_89ab_cdef);
-    uuid::Builder::from_random_bytes(((hi as u128) << 64 | lo as u128).to_be_bytes()).into_uuid()
-}
 
 impl MetricsFold {
     pub fn new() -> Self {
@@ -895,45 +629,5 @@ impl MetricsFold {
             worker_seconds_decode: worker_seconds(1),
             worker_seconds_aggregated: worker_seconds(2),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn slo_reads_any_subset_of_the_keys() {
-        let s: Slo = "ttft_ms=2000, itl_ms=50".parse().unwrap();
-        assert_eq!(s, Slo { ttft_ms: Some(2000.0), itl_ms: Some(50.0), ..Slo::default() });
-        assert_eq!(s.to_string(), "ttft_ms=2000,itl_ms=50");
-        let s: Slo = "e2e_ms=1.5,tpot_ms=20".parse().unwrap();
-        assert_eq!(s.thresholds(), vec![("tpot_ms", 20.0), ("e2e_ms", 1.5)]);
-    }
-
-    #[test]
-    fn slo_errors_name_the_key() {
-        for (text, needle) in [
-            ("ttft=10", "unknown SLO key `ttft`"),
-            ("ttft_ms=fast", "ttft_ms: `fast`"),
-            ("itl_ms=-1", "itl_ms: `-1`"),
-            ("e2e_ms", "`e2e_ms`: expected key=ms"),
-            ("ttft_ms=1,ttft_ms=2", "ttft_ms is given twice"),
-            ("ttft_ms=1,", "empty entry"),
-        ] {
-            let e = text.parse::<Slo>().unwrap_err();
-            assert!(e.contains(needle), "{text}: {e}");
-        }
-    }
-
-    #[test]
-    fn a_request_meets_an_slo_only_within_every_threshold() {
-        let slo: Slo = "ttft_ms=100,itl_ms=10".parse().unwrap();
-        let ms = |v: u64| v * 1_000_000;
-        assert!(slo.met(Some(ms(100)), Some(ms(10)), ms(5000)));
-        assert!(!slo.met(Some(ms(101)), Some(ms(10)), ms(5000)));
-        assert!(!slo.met(Some(ms(100)), Some(ms(11)), ms(5000)));
-        assert!(slo.met(Some(ms(1)), None, ms(1)), "one output token: no gap to miss");
-        assert!(!slo.met(None, None, ms(1)), "no first token: TTFT missed");
     }
 }
