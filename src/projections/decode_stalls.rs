@@ -144,7 +144,7 @@ impl AdmissionQueue {
 
 /// One of the last `storm_preemptions` preemptions.
 #[derive(Clone, Copy, Debug)]
-struct Recent {
+struct RecentPreemption {
     at_ns: u64,
     request: RequestId,
     /// Its stall, if it resumed before any storm claimed it.
@@ -250,7 +250,7 @@ pub(crate) struct DecodeWatch {
 
     /// The last `storm_preemptions` preemptions: whether a window qualifies depends on no
     /// older one.
-    recent: VecDeque<Recent>,
+    recent: VecDeque<RecentPreemption>,
     /// Preemptions of the current instant, judged when it settles.
     preempted_now: Vec<RequestId>,
     /// When the preemption that began each request's current stall happened.
@@ -460,7 +460,7 @@ impl DecodeWatch {
             }
         }
         for request in pending {
-            self.recent.push_back(Recent { at_ns: t, request, stall_ns: None, counted: holds_now });
+            self.recent.push_back(RecentPreemption { at_ns: t, request, stall_ns: None, counted: holds_now });
             if !holds_now {
                 *self.uncounted.entry(request).or_insert(0) += 1;
             }

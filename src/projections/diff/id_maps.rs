@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 /// A bounded memory of recently finished ids, so that a straggling fact about one (a duplicate
 /// message, a late acknowledgement) is not taken for a new entry.
 pub(super) struct RecentIds<K: std::hash::Hash + Eq + Copy> {
-    set: HashSet<K, IdBuild>,
+    set: HashSet<K, IdBuildHasher>,
     order: VecDeque<K>,
     cap: usize,
 }
@@ -54,8 +54,8 @@ impl std::hash::Hasher for IdHasher {
     }
 }
 
-pub(super) type IdBuild = std::hash::BuildHasherDefault<IdHasher>;
-pub(super) type IdMap<K, V> = HashMap<K, V, IdBuild>;
+pub(super) type IdBuildHasher = std::hash::BuildHasherDefault<IdHasher>;
+pub(super) type IdMap<K, V> = HashMap<K, V, IdBuildHasher>;
 
 /// How many recently finished ids each side remembers.
 pub(super) const RECENT_IDS: usize = 65_536;

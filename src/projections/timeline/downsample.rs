@@ -2,6 +2,7 @@
 //! [`crate::projections::timeline`]); also bounds `inspect`'s booking series and `compare`'s
 //! occupancy strips.
 
+/// One kept point: time and one value per series.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sample<const N: usize> {
     pub at_ns: u64,

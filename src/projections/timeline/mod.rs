@@ -30,6 +30,7 @@ use crate::units::NS_PER_MS_F64;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+/// What to draw.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TimelineOptions {
     /// Only this worker (default: every engine worker).
@@ -70,8 +71,6 @@ pub const CAPACITY_SERIES: [&str; 6] =
 pub const QUEUE_SERIES: [&str; 5] =
     ["waiting", "running", "waiting_for_remote_kv", "held_prefills", "pending_reservations"];
 
-/// One kept point: time and one value per series.
-
 /// One worker's series.
 #[derive(Clone, Debug)]
 pub struct WorkerSeries {
@@ -101,6 +100,7 @@ pub struct TimelineData {
     pub y_axis: YAxis,
 }
 
+/// One drawn worker's samples: the last values kept and their downsamplers.
 struct WorkerSampler {
     stream: usize,
     worker: WorkerId,
