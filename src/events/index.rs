@@ -24,9 +24,8 @@
 use super::codec;
 use super::error::LogError;
 use super::layout::fixed8;
-// Re-exported for callers that predate the layout and segment modules.
-pub use super::layout::{RunLayout, Segment, SegmentKind};
-pub use super::segment::{read_record_at, records_around, SegmentReader};
+use super::layout::{RunLayout, Segment};
+use super::segment::{read_record_at, SegmentReader};
 use super::{Record, StreamHeader};
 use crate::ids::{HandoffId, RequestId, WorkerId};
 use serde::de::DeserializeOwned;

@@ -30,9 +30,6 @@ pub struct WorkerBookings {
     pub booked_decode_blocks: u64,
 }
 
-/// Kept here for the readers that found it here.
-pub use crate::projections::bookings::is_booking_fact;
-
 impl From<WorkerLoad> for WorkerBookings {
     fn from(l: WorkerLoad) -> Self {
         WorkerBookings {

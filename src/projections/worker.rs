@@ -73,9 +73,15 @@ impl CheckpointFold for WorkerFold {
 impl WorkerFold {
     /// The state before the stream's first record: every block free, queues empty.
     pub fn new(header: &StreamHeader) -> Self {
+        Self::for_worker(header.worker, header.engine.total_blocks as u64)
+    }
+
+    /// [`WorkerFold::new`] from the two header fields it uses (a worker with no stream on one
+    /// side of a diff starts from zero blocks).
+    pub fn for_worker(worker: WorkerId, total_blocks: u64) -> Self {
         WorkerFold {
-            worker: header.worker,
-            capacity: KvCapacitySnapshot::empty(header.engine.total_blocks as u64),
+            worker,
+            capacity: KvCapacitySnapshot::empty(total_blocks),
             scheduler: SchedulerFold::new(),
             bookings: BookingFold::new(),
             records: 0,

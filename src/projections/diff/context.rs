@@ -2,8 +2,8 @@
 //! walking, re-read only for the divergence that is printed.
 
 use super::report::ContextRecord;
-use crate::events::index::{read_record_at, records_around, RunLayout, Segment};
-use crate::events::LogError;
+use crate::events::segment::{read_record_at, records_around};
+use crate::events::{LogError, RunLayout};
 use std::collections::VecDeque;
 
 /// A record to re-read for context: its stream and byte offset.
@@ -21,10 +21,6 @@ pub(super) enum Context {
     Span { stream: usize, start: u64, div: u64, after: usize },
 }
 
-pub(super) fn segment_of(layout: &RunLayout, stream: usize) -> Option<&Segment> {
-    layout.segments.iter().find(|s| s.streams.contains(&stream))
-}
-
 pub(super) fn resolve(
     layout: &RunLayout,
     ctx: &Context,
@@ -34,7 +30,7 @@ pub(super) fn resolve(
     match ctx {
         Context::Refs(refs) => {
             for r in refs {
-                let Some(seg) = segment_of(layout, r.stream) else {
+                let Some(seg) = layout.segment_of(r.stream) else {
                     continue;
                 };
                 let (_, record) = read_record_at(&seg.path, seg.kind, r.offset)?;
@@ -46,7 +42,7 @@ pub(super) fn resolve(
             }
         }
         Context::Span { stream, start, div: d, after } => {
-            let Some(seg) = segment_of(layout, *stream) else {
+            let Some(seg) = layout.segment_of(*stream) else {
                 return Ok(out);
             };
             // A bounded read: in a merged file other streams' records lie in between.

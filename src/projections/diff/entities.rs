@@ -7,7 +7,7 @@ use super::findings::{Candidate, Findings};
 use super::id_maps::{IdMap, RecentIds, RECENT_IDS};
 use super::report::{DiffKind, Difference, Location};
 use super::sequences::{QueuedElement, Track};
-use crate::events::index::RunLayout;
+use crate::events::RunLayout;
 use crate::events::{Fact, LogError, RunReader, TerminalStatus};
 use crate::ids::{CancelReason, EndReason, HandoffId, RequestId, Role, WorkerId};
 use crate::lifecycle::policy::Milestone;

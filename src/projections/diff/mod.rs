@@ -68,7 +68,7 @@ pub use report::{
 };
 pub use sequences::fact_text;
 
-use crate::events::index::RunLayout;
+use crate::events::RunLayout;
 use crate::events::{LogError, StreamHeader};
 use crate::ids::WorkerId;
 use context::resolve;

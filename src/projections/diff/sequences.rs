@@ -3,14 +3,14 @@
 //! element by element as both runs are walked (or, when they drift too far apart, afterwards
 //! in lockstep), and the final state of each worker.
 
-use super::context::{segment_of, Context, RecordRef};
+use super::context::{Context, RecordRef};
 use super::findings::{Candidate, Findings};
 use super::report::{DiffKind, Difference, Location};
-use crate::events::index::{RunLayout, SegmentKind, SegmentReader};
-use crate::events::{Fact, KvDelta, LogError, Record};
+use crate::events::{Fact, KvDelta, LogError, Record, RunLayout, SegmentKind, SegmentReader};
 use crate::ids::{Role, WorkerId};
-use crate::projections::bookings::{is_booking_fact, BookingFold};
+use crate::projections::bookings::is_booking_fact;
 use crate::projections::capacity::KvCapacitySnapshot;
+use crate::projections::worker::{WorkerFold, WorkerViolation};
 use std::collections::VecDeque;
 
 /// One element of a worker's compared sequence.
@@ -39,7 +39,7 @@ impl SequenceElement {
             SequenceElement::Capacity(s, ok, d) => format!(
                 "{}delta {} → active={} pinned={} reserved={} cached_free={} free={} slots={} headroom={}",
                 if *ok { "" } else { "REFUSED " },
-                delta_text(d),
+                d,
                 s.active_blocks,
                 s.pinned_source_blocks,
                 s.reserved_destination_blocks,
@@ -72,35 +72,14 @@ pub fn fact_text(fact: &Fact) -> String {
     out
 }
 
-pub(super) fn delta_text(d: &KvDelta) -> String {
-    let parts: Vec<String> = [
-        ("active", d.active),
-        ("pinned_source", d.pinned_source),
-        ("reserved_destination", d.reserved_destination),
-        ("cached_free", d.cached_free),
-        ("free", d.free),
-        ("slots", d.slots),
-        ("headroom_tokens", d.headroom_tokens),
-    ]
-    .iter()
-    .filter(|(_, v)| *v != 0)
-    .map(|(k, v)| format!("{k}{v:+}"))
-    .collect();
-    if parts.is_empty() {
-        "0".into()
-    } else {
-        parts.join(",")
-    }
-}
-
 /// One worker's per-stream folds on one side: snapshot, bookings, and a ring of the offsets of
 /// its last few records (for context).
 pub(super) struct Track {
     pub(super) stream: usize,
     pub(super) worker: WorkerId,
     pub(super) present: bool,
-    pub(super) capacity: KvCapacitySnapshot,
-    pub(super) bookings: BookingFold,
+    /// Capacity (engine) or bookings (router), as every command folds them.
+    pub(super) fold: WorkerFold,
     pub(super) ring: VecDeque<RecordRef>,
     pub(super) ring_cap: usize,
     pub(super) last: Option<Location>,
@@ -124,11 +103,11 @@ impl Track {
             stream: stream.unwrap_or(usize::MAX),
             worker,
             present: stream.is_some(),
-            capacity: match stream {
-                Some(i) => KvCapacitySnapshot::empty(layout.headers[i].engine.total_blocks as u64),
-                None => KvCapacitySnapshot::default(),
-            },
-            bookings: BookingFold::new(),
+            fold: match stream {
+                Some(i) => WorkerFold::new(&layout.headers[i]),
+                None => WorkerFold::for_worker(worker, 0),
+            }
+            .without_queues(),
             ring: VecDeque::with_capacity(ring_cap + 1),
             ring_cap,
             last: None,
@@ -148,35 +127,30 @@ impl Track {
         let loc = Location::of(self.worker, rec);
         self.last = Some(loc.clone());
         self.last_ref = Some(r);
+        let applied = self.fold.apply(rec);
         let elem = if self.worker.role == Role::Router {
             if !is_booking_fact(&rec.fact) {
                 return None;
             }
             // A refused booking fact is still an element: the fact itself is compared.
-            let _ = self.bookings.apply(&rec.fact);
             SequenceElement::Booking(rec.fact.clone())
         } else {
-            let d = rec.fact.kv_delta();
+            // A refused delta is still an element, marked as refused.
+            let (ok, d) = match applied {
+                Ok(change) => (true, change.delta),
+                Err(WorkerViolation::Capacity(v)) => (false, v.delta),
+                Err(_) => (true, rec.fact.kv_delta()),
+            };
             if d.is_zero() {
                 return None;
             }
-            let ok = self.capacity.apply(&d).is_ok();
-            SequenceElement::Capacity(self.capacity, ok, d)
+            SequenceElement::Capacity(self.fold.capacity, ok, d)
         };
         Some(QueuedElement { loc, r, start: self.ring.front().map_or(offset, |x| x.offset), elem })
     }
 
     pub(super) fn drained(&self) -> bool {
-        if self.worker.role == Role::Router {
-            self.bookings.is_drained()
-        } else {
-            let s = &self.capacity;
-            s.active_blocks == 0
-                && s.pinned_source_blocks == 0
-                && s.reserved_destination_blocks == 0
-                && s.request_slots_used == 0
-                && s.decode_headroom_tokens == 0
-        }
+        self.fold.is_drained()
     }
 
     pub(super) fn final_text(&self) -> String {
@@ -184,21 +158,10 @@ impl Track {
             return "no stream".into();
         }
         if self.worker.role == Role::Router {
-            let (p, d) = self.bookings.in_flight();
+            let (p, d) = self.fold.bookings.in_flight();
             format!("{p} prefill and {d} decode bookings open")
         } else {
-            let s = &self.capacity;
-            format!(
-                "active={} pinned={} reserved={} cached_free={} free={} total={} slots={} headroom={}",
-                s.active_blocks,
-                s.pinned_source_blocks,
-                s.reserved_destination_blocks,
-                s.cached_free_blocks,
-                s.free_blocks,
-                s.total_blocks,
-                s.request_slots_used,
-                s.decode_headroom_tokens
-            )
+            self.fold.capacity.to_string()
         }
     }
 
@@ -260,7 +223,11 @@ pub(super) fn seq_divergence(
 
 /// Reports the final-state difference of worker `w`, if any.
 pub(super) fn final_state(findings: &mut Findings, w: WorkerId, a: &Track, b: &Track) {
-    let same = if w.role == Role::Router { a.bookings == b.bookings } else { a.capacity == b.capacity };
+    let same = if w.role == Role::Router {
+        a.fold.bookings == b.fold.bookings
+    } else {
+        a.fold.capacity == b.fold.capacity
+    };
     if a.present && b.present && same && a.drained() == b.drained() {
         return;
     }
@@ -306,7 +273,7 @@ impl WorkerSide {
             true => {
                 let i = track.stream;
                 let seg =
-                    segment_of(layout, i).ok_or_else(|| LogError::EmptyRun { path: layout.run.clone() })?;
+                    layout.segment_of(i).ok_or_else(|| LogError::EmptyRun { path: layout.run.clone() })?;
                 let mut r = SegmentReader::open_at(seg, seg.data_start, vec![0; layout.headers.len()])?;
                 if seg.kind == SegmentKind::Merged {
                     r = r.only_stream(i);

@@ -1,47 +1,13 @@
 //! Router bookings beside physical occupancy: the blocks the router booked on each worker
-//! (folded from its booking facts), their peaks and gaps against `kv_used`, a bounded series
+//! (from the shared [`crate::projections::bookings::BookingFold`]), their peaks and gaps against `kv_used`, a bounded series
 //! of both, and the stretches during which they diverged (`overbooked`, `unbooked_pins`).
 
 use super::report::{BookingPoint, BookingRow, Divergence, PeakAt, BOOKING_SERIES_BUCKETS};
 use super::MAX_INTERVALS_PER_WORKER;
-use crate::events::Fact;
-use crate::ids::{RequestId, Role, WorkerId};
+use crate::ids::{Role, WorkerId};
 use crate::projections::capacity::KvCapacitySnapshot;
 use crate::projections::timeline::{Downsampler, Sample};
 use crate::units::ms;
-use std::collections::BTreeMap;
-
-/// Requests' prefill / decode booking blocks, for freeing (router facts carry no blocks).
-#[derive(Default)]
-pub(super) struct RequestBookings {
-    prefill: BTreeMap<(RequestId, WorkerId), u32>,
-    decode: BTreeMap<(RequestId, WorkerId), u32>,
-}
-
-impl RequestBookings {
-    /// Folds a router booking fact: the worker whose booked blocks it changes, and by how many.
-    pub(super) fn apply(&mut self, fact: &Fact) -> Option<(WorkerId, i64)> {
-        Some(match *fact {
-            Fact::PrefillBooked { request, worker, blocks, .. } => {
-                let prev = self.prefill.insert((request, worker), blocks);
-                (worker, blocks as i64 - prev.unwrap_or(0) as i64)
-            }
-            Fact::PrefillBookingFreed { request, worker } => {
-                let b = self.prefill.remove(&(request, worker)).unwrap_or(0);
-                (worker, -(b as i64))
-            }
-            Fact::DecodeBooked { request, worker, blocks } => {
-                let prev = self.decode.insert((request, worker), blocks);
-                (worker, blocks as i64 - prev.unwrap_or(0) as i64)
-            }
-            Fact::DecodeBookingFreed { request, worker, .. } => {
-                let b = self.decode.remove(&(request, worker)).unwrap_or(0);
-                (worker, -(b as i64))
-            }
-            _ => return None,
-        })
-    }
-}
 
 #[derive(Clone, Debug)]
 struct OpenDivergence {
@@ -145,8 +111,8 @@ impl BookingWatch {
     }
 
     /// A booking or its release moved `delta` blocks on this worker.
-    pub(super) fn add(&mut self, delta: i64) {
-        self.booked_blocks = (self.booked_blocks as i64 + delta).max(0) as u64;
+    pub(super) fn set_booked_blocks(&mut self, blocks: u64) {
+        self.booked_blocks = blocks;
     }
 
     /// Judges the state settled at `t` (it holds until `next`): `cap` is the worker's

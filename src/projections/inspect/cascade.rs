@@ -175,7 +175,7 @@ impl CascadeWatch {
                 ws.refused_now = false;
                 continue;
             }
-            let used = ws.cap.kv_used_blocks();
+            let used = ws.cap().kv_used_blocks();
             let total = ws.total();
             let full = total > 0 && used * 100 >= opts.decode_full_pct as u64 * total;
             let pending = ws.view.pending_reservations;
@@ -203,7 +203,7 @@ impl CascadeWatch {
                         .iter()
                         .flatten()
                         .filter(|w| w.worker.role == Role::Prefill)
-                        .map(|w| (w.worker, pct(w.cap.pinned_source_blocks, w.total())))
+                        .map(|w| (w.worker, pct(w.cap().pinned_source_blocks, w.total())))
                         .collect(),
                 });
             }
@@ -215,7 +215,7 @@ impl CascadeWatch {
                         if ws.worker.role != Role::Decode {
                             continue;
                         }
-                        let p = pct(ws.cap.kv_used_blocks(), ws.total());
+                        let p = pct(ws.cap().kv_used_blocks(), ws.total());
                         let ew = ep.decode.entry(ws.worker).or_insert(EpisodeWorker {
                             kv_used_at_start_pct: p,
                             peak_kv_used_pct: p,
@@ -244,7 +244,7 @@ impl CascadeWatch {
     /// Judges a prefill worker's stall at the settled instant `t` (which holds until `next`).
     pub(super) fn settle_stall(&mut self, ws: &mut WorkerState, opts: &InspectOptions, t: u64, next: u64) {
         let stall_ns = opts.stall_ms.saturating_mul(NS_PER_MS);
-        let (c, v, total, worker) = (ws.cap, ws.view, ws.total(), ws.worker);
+        let (c, v, total, worker) = (ws.cap(), ws.view, ws.total(), ws.worker);
         let a = &mut ws.admission;
         let hot = total > 0 && c.pinned_source_blocks * 100 >= opts.pin_threshold_pct as u64 * total;
         let oldest = a.waiting_order.first().copied();

@@ -1,9 +1,9 @@
-//! Pass one: the streaming fold. Every engine worker's physical KV ([`KvCapacitySnapshot`]),
-//! scheduler view ([`SchedulerFold`]) and peaks are folded here, record by record, and
-//! settled instant by instant; the findings built on them (cascade, bookings, handoff waits,
+//! Pass one: the streaming fold. Every engine worker's physical KV and scheduler queues (the
+//! shared [`WorkerFold`]), the router's bookings (the shared [`BookingFold`]) and the peaks are
+//! folded here, record by record, and settled instant by instant; the findings built on them (cascade, bookings, handoff waits,
 //! decode stalls) keep their own state in their own modules and are called from here.
 
-use super::bookings::{BookingWatch, RequestBookings};
+use super::bookings::BookingWatch;
 use super::cascade::{CascadeWatch, PrefillAdmission};
 use super::longest_pinned::TopPin;
 use super::report::{Bookings, GatingWorker, InspectReport, PeakAt, RunInfo, WorkerInfo, WorkerPeaks};
@@ -11,18 +11,19 @@ use super::wait_breakdown::HandoffWatch;
 use super::InspectOptions;
 use crate::events::{Fact, Record, RejectReason, StreamHeader};
 use crate::ids::{Role, WorkerId};
+use crate::projections::bookings::BookingFold;
 use crate::projections::capacity::KvCapacitySnapshot;
 use crate::projections::decode_stalls::{DecodeHolBlocking, DecodeWatch, PreemptionStorms};
 use crate::projections::run::ProjectError;
-use crate::projections::scheduler::SchedulerFold;
+use crate::projections::worker::{WorkerFold, WorkerViolation};
 use crate::schedulers::SchedulerView;
 use crate::units::ms;
 
 /// One engine worker's folded state.
 pub(super) struct WorkerState {
     pub(super) worker: WorkerId,
-    pub(super) cap: KvCapacitySnapshot,
-    sched: SchedulerFold,
+    /// Capacity and queues, as every command folds them.
+    fold: WorkerFold,
     /// The scheduler view, recomputed at a settled instant only if the stream changed.
     pub(super) view: SchedulerView,
     dirty: bool,
@@ -44,8 +45,7 @@ impl WorkerState {
         let total = h.engine.total_blocks as u64;
         WorkerState {
             worker: h.worker,
-            cap: KvCapacitySnapshot::empty(total),
-            sched: SchedulerFold::new(),
+            fold: WorkerFold::new(h),
             view: SchedulerView::default(),
             dirty: false,
             peaks: WorkerPeaks {
@@ -72,20 +72,25 @@ impl WorkerState {
     }
 
     pub(super) fn total(&self) -> u64 {
-        self.cap.total_blocks
+        self.fold.capacity.total_blocks
+    }
+
+    /// Physical KV now.
+    pub(super) fn cap(&self) -> KvCapacitySnapshot {
+        self.fold.capacity
     }
 
     /// Recomputes the scheduler view if a fact changed it since.
     fn refresh_view(&mut self) {
         if self.dirty {
-            self.view = self.sched.view();
+            self.view = self.fold.view();
             self.dirty = false;
         }
     }
 
     /// Peaks of the state settled at `t` (it holds until `next`).
     fn see_peaks(&mut self, t: u64, next: u64) {
-        let (c, v) = (self.cap, self.view);
+        let (c, v) = (self.cap(), self.view);
         let p = &mut self.peaks;
         p.active.see(c.active_blocks, t);
         p.pinned_source.see(c.pinned_source_blocks, t);
@@ -106,8 +111,8 @@ pub struct InspectFold {
     opts: InspectOptions,
     headers: Vec<StreamHeader>,
     workers: Vec<Option<WorkerState>>,
-    /// Requests' prefill / decode booking blocks, for freeing (router facts carry no blocks).
-    bookings: RequestBookings,
+    /// The router's bookings, per worker and request.
+    bookings: BookingFold,
     now_ns: Option<u64>,
     first_ns: Option<u64>,
     records: u64,
@@ -127,7 +132,7 @@ impl InspectFold {
             opts,
             headers: headers.to_vec(),
             workers,
-            bookings: RequestBookings::default(),
+            bookings: BookingFold::new(),
             now_ns: None,
             first_ns: None,
             records: 0,
@@ -175,7 +180,7 @@ impl InspectFold {
     pub fn worker_state(&mut self, stream: usize) -> Option<(KvCapacitySnapshot, SchedulerView, u64)> {
         let ws = self.workers.get_mut(stream)?.as_mut()?;
         ws.refresh_view();
-        Some((ws.cap, ws.view, ws.bookings.booked_blocks()))
+        Some((ws.cap(), ws.view, ws.bookings.booked_blocks()))
     }
 
     /// Applies one record of stream `stream` (an index into the run's headers).
@@ -188,19 +193,8 @@ impl InspectFold {
         self.advance(rec.at_ns);
         let at = rec.at_ns;
         if let Some(ws) = self.workers[stream].as_mut() {
-            ws.cap.apply_fact(&rec.fact).map_err(|violation| ProjectError::Capacity {
-                worker,
-                seq: rec.seq,
-                at_ms: ms(at),
-                violation,
-            })?;
-            ws.sched.apply(&rec.fact).map_err(|violation| ProjectError::View {
-                worker,
-                seq: rec.seq,
-                at_ms: ms(at),
-                violation,
-            })?;
-            ws.dirty |= changes_view(&rec.fact);
+            let change = ws.fold.apply(rec).map_err(|v| ProjectError::located(worker, rec, v))?;
+            ws.dirty |= change.queues;
             if let Some(d) = ws.decode.as_mut() {
                 d.apply(at, &rec.fact);
             }
@@ -222,9 +216,13 @@ impl InspectFold {
             }
         }
         self.cascade.count_reservation(worker, &rec.fact);
-        if let Some((w, delta)) = self.bookings.apply(&rec.fact) {
+        if let Some(w) = booked_worker(&rec.fact) {
+            self.bookings
+                .apply(&rec.fact)
+                .map_err(|v| ProjectError::located(worker, rec, WorkerViolation::Booking(v)))?;
+            let booked = self.bookings.load(w).booked_blocks();
             if let Some(ws) = self.worker_mut(w) {
-                ws.bookings.add(delta);
+                ws.bookings.set_booked_blocks(booked);
             }
         }
         if self.handoffs.apply(worker, at, &rec.fact) {
@@ -247,9 +245,9 @@ impl InspectFold {
         self.cascade.settle_pressure(&mut self.workers, &opts, t);
         for ws in self.workers.iter_mut().flatten() {
             ws.see_peaks(t, next);
-            ws.bookings.settle(ws.worker.role, &ws.cap, t, next);
+            ws.bookings.settle(ws.worker.role, &ws.fold.capacity, t, next);
             if let Some(d) = ws.decode.as_mut() {
-                d.settle(t, &ws.cap, ws.view.waiting);
+                d.settle(t, &ws.fold.capacity, ws.view.waiting);
             }
             if ws.worker.role == Role::Prefill {
                 self.cascade.settle_stall(ws, &opts, t, next);
@@ -340,22 +338,14 @@ impl InspectFold {
     }
 }
 
-/// Whether a fact can change the scheduler view's counts (the facts
-/// [`SchedulerFold::apply`] acts on); steps and KV events, most of a log, cannot.
-pub fn changes_view(fact: &Fact) -> bool {
-    matches!(
-        fact,
-        Fact::RequestQueued { .. }
-            | Fact::RequestScheduled { .. }
-            | Fact::RequestPreempted { .. }
-            | Fact::RequestFinished { .. }
-            | Fact::RequestRejected { .. }
-            | Fact::SourcePinned { .. }
-            | Fact::SourceReleased { .. }
-            | Fact::ReservationQueued { .. }
-            | Fact::ReservationDequeued { .. }
-            | Fact::DestinationReserved { .. }
-            | Fact::DestinationActivated { .. }
-            | Fact::ReservationReleased { .. }
-    )
+/// The worker a router booking fact books or frees.
+fn booked_worker(fact: &Fact) -> Option<WorkerId> {
+    match *fact {
+        Fact::PrefillBooked { worker, .. }
+        | Fact::PrefillComputeDone { worker, .. }
+        | Fact::PrefillBookingFreed { worker, .. }
+        | Fact::DecodeBooked { worker, .. }
+        | Fact::DecodeBookingFreed { worker, .. } => Some(worker),
+        _ => None,
+    }
 }

@@ -108,7 +108,7 @@ mod wait_breakdown;
 pub use crate::projections::decode_stalls::{
     DecodeHolBlocking, HolInterval, HolWorker, PreemptionStorm, PreemptionStorms, StormWorker,
 };
-pub use fold::{changes_view, InspectFold};
+pub use fold::InspectFold;
 pub use longest_pinned::TopPin;
 pub use report::{
     BookingPoint, BookingRow, Bookings, Cascade, DecodePressure, Divergence, Gating, GatingWorker,
