@@ -21,7 +21,7 @@ pub enum LogError {
     },
 
     /// The file does not start with the stream (or merged-run) magic.
-    #[error("{}: not a handoff-ledger log: bad magic at byte offset 0 (expected {expected:?}, found {found:?})", path.display())]
+    #[error("{}: not a handoff-ledger log: bad magic at byte offset 0 (expected {expected}, found \"{found}\")", path.display())]
     BadMagic { path: PathBuf, expected: String, found: String },
 
     /// The file was written by a format version this build does not read.

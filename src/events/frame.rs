@@ -56,7 +56,7 @@ pub(crate) fn read_prelude<R: Read>(
     if pre[..have_magic] != magic[..have_magic] {
         return Err(LogError::BadMagic {
             path: path.into(),
-            expected: printable(magic),
+            expected: format!("\"{}\"", printable(magic)),
             found: printable(&pre[..have_magic]),
         });
     }

@@ -185,7 +185,7 @@ impl RunLayout {
         } else {
             Err(LogError::BadMagic {
                 path: path.into(),
-                expected: format!("{} or {}", MAGIC.escape_ascii(), RUN_MAGIC.escape_ascii()),
+                expected: format!("\"{}\" or \"{}\"", MAGIC.escape_ascii(), RUN_MAGIC.escape_ascii()),
                 found: magic[..n].escape_ascii().to_string(),
             })
         }

@@ -132,9 +132,40 @@ struct OpenHandoff {
 pub(super) struct FinishedHandoff {
     sig: HandoffSignature,
     pin_ns: Option<u64>,
+    trail: Trail,
+}
+
+/// Where a finished handoff or request was last seen: its last record and the references of
+/// its last few (the context printed for it).
+pub(super) struct Trail {
     last: Option<Location>,
     ring: Vec<RecordRef>,
     last_ref: Option<RecordRef>,
+}
+
+impl Trail {
+    /// The difference `detail` between two sides' entities, with their trails as context.
+    fn candidate(
+        kind: DiffKind,
+        subject: String,
+        a: Option<&Trail>,
+        b: Option<&Trail>,
+        detail: String,
+    ) -> Candidate {
+        Candidate {
+            diff: Difference {
+                kind,
+                subject,
+                a: a.and_then(|t| t.last.clone()),
+                b: b.and_then(|t| t.last.clone()),
+                detail,
+            },
+            ctx_a: Context::Refs(a.map(|t| t.ring.clone()).unwrap_or_default()),
+            ctx_b: Context::Refs(b.map(|t| t.ring.clone()).unwrap_or_default()),
+            div_a: a.and_then(|t| t.last_ref),
+            div_b: b.and_then(|t| t.last_ref),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -154,9 +185,7 @@ pub(super) struct FinishedRequest {
     sig: RequestSignature,
     ttft_ns: Option<u64>,
     e2e_ns: Option<u64>,
-    last: Option<Location>,
-    ring: Vec<RecordRef>,
-    last_ref: Option<RecordRef>,
+    trail: Trail,
 }
 
 /// One run folded in merge order.
@@ -325,9 +354,7 @@ impl EntitySide {
                 (Some(a), Some(t), Some(TerminalStatus::Completed)) => Some(t.saturating_sub(a)),
                 _ => None,
             },
-            last: e.last,
-            ring: e.ring.into_iter().collect(),
-            last_ref: e.last_ref,
+            trail: Trail { last: e.last, ring: e.ring.into_iter().collect(), last_ref: e.last_ref },
         };
         self.fresh_requests.push((request, done));
         for h in e.handoffs {
@@ -375,9 +402,7 @@ impl EntitySide {
             FinishedHandoff {
                 sig: HandoffSignature::of(&e),
                 pin_ns,
-                last: o.last,
-                ring: o.ring.into_iter().collect(),
-                last_ref: o.last_ref,
+                trail: Trail { last: o.last, ring: o.ring.into_iter().collect(), last_ref: o.last_ref },
             },
         ));
     }
@@ -439,7 +464,7 @@ pub(super) fn report_handoff(
     let detail = match (a, b) {
         (Some(a), Some(b)) => {
             findings.compared.handoffs += 1;
-            findings.timing(&subject, "source pinned", a.pin_ns, b.pin_ns, &a.last, &b.last);
+            findings.timing(&subject, "source pinned", a.pin_ns, b.pin_ns, &a.trail.last, &b.trail.last);
             if a.sig == b.sig {
                 return;
             }
@@ -449,19 +474,8 @@ pub(super) fn report_handoff(
         (None, Some(b)) => format!("only in B: [{}]", Milestone::join(&b.sig.normalized, ", ")),
         (None, None) => return,
     };
-    findings.add(Candidate {
-        diff: Difference {
-            kind: DiffKind::HandoffSequence,
-            subject,
-            a: a.and_then(|d| d.last.clone()),
-            b: b.and_then(|d| d.last.clone()),
-            detail,
-        },
-        ctx_a: Context::Refs(a.map(|d| d.ring.clone()).unwrap_or_default()),
-        ctx_b: Context::Refs(b.map(|d| d.ring.clone()).unwrap_or_default()),
-        div_a: a.and_then(|d| d.last_ref),
-        div_b: b.and_then(|d| d.last_ref),
-    });
+    let (a, b) = (a.map(|d| &d.trail), b.map(|d| &d.trail));
+    findings.add(Trail::candidate(DiffKind::HandoffSequence, subject, a, b, detail));
 }
 
 pub(super) fn report_request(
@@ -474,8 +488,8 @@ pub(super) fn report_request(
     let detail = match (a, b) {
         (Some(a), Some(b)) => {
             findings.compared.requests += 1;
-            findings.timing(&subject, "TTFT", a.ttft_ns, b.ttft_ns, &a.last, &b.last);
-            findings.timing(&subject, "E2E", a.e2e_ns, b.e2e_ns, &a.last, &b.last);
+            findings.timing(&subject, "TTFT", a.ttft_ns, b.ttft_ns, &a.trail.last, &b.trail.last);
+            findings.timing(&subject, "E2E", a.e2e_ns, b.e2e_ns, &a.trail.last, &b.trail.last);
             if a.sig == b.sig {
                 return;
             }
@@ -485,17 +499,6 @@ pub(super) fn report_request(
         (None, Some(_)) => "only in B".to_string(),
         (None, None) => return,
     };
-    findings.add(Candidate {
-        diff: Difference {
-            kind: DiffKind::RequestOutcome,
-            subject,
-            a: a.and_then(|d| d.last.clone()),
-            b: b.and_then(|d| d.last.clone()),
-            detail,
-        },
-        ctx_a: Context::Refs(a.map(|d| d.ring.clone()).unwrap_or_default()),
-        ctx_b: Context::Refs(b.map(|d| d.ring.clone()).unwrap_or_default()),
-        div_a: a.and_then(|d| d.last_ref),
-        div_b: b.and_then(|d| d.last_ref),
-    });
+    let (a, b) = (a.map(|d| &d.trail), b.map(|d| &d.trail));
+    findings.add(Trail::candidate(DiffKind::RequestOutcome, subject, a, b, detail));
 }
