@@ -74,7 +74,7 @@ pub enum ReplayError {
 
 /// A command for one worker, applied when the worker is between steps.
 #[derive(Clone, Debug)]
-enum Cmd {
+enum Command {
     Submit(Request),
     /// Disabled policy's decode: the prompt's KV came with the request.
     SubmitPrefilled(Request),
@@ -95,7 +95,7 @@ enum Cmd {
 }
 
 #[derive(Clone, Debug)]
-enum Ev {
+enum Event {
     Arrival,
     StepDone(usize),
     /// A free worker with work starts its next step: queued to run after everything else due
@@ -105,8 +105,8 @@ enum Ev {
     /// follow it in the same transition: "receive completed" only once activation is done).
     Command {
         slot: usize,
-        cmd: Cmd,
-        then: Vec<Ev>,
+        command: Command,
+        then: Vec<Event>,
     },
     Deliver {
         slot: usize,
@@ -147,18 +147,18 @@ enum Ev {
 /// "receive completed" must not reach the source before the destination has activated.
 #[derive(Default)]
 struct Batch {
-    events: Vec<Ev>,
+    events: Vec<Event>,
 }
 
 impl Batch {
-    fn command(&mut self, slot: usize, cmd: Cmd) {
-        self.events.push(Ev::Command { slot, cmd, then: Vec::new() });
+    fn command(&mut self, slot: usize, command: Command) {
+        self.events.push(Event::Command { slot, command, then: Vec::new() });
     }
 
     fn message(&mut self, slot: usize, msg: HandoffMessage) {
-        let deliver = Ev::Deliver { slot, msg };
-        match self.events.iter_mut().rev().find(|e| matches!(e, Ev::Command { .. })) {
-            Some(Ev::Command { then, .. }) => then.push(deliver),
+        let deliver = Event::Deliver { slot, msg };
+        match self.events.iter_mut().rev().find(|e| matches!(e, Event::Command { .. })) {
+            Some(Event::Command { then, .. }) => then.push(deliver),
             _ => self.events.push(deliver),
         }
     }
@@ -170,7 +170,7 @@ struct Slot {
     /// A step is in flight; its effects wait in `pending` until `StepDone`.
     busy: bool,
     pending: Option<Effects>,
-    inbox: VecDeque<(Cmd, Vec<Ev>)>,
+    inbox: VecDeque<(Command, Vec<Event>)>,
     generation: Generation,
     sources: BTreeMap<HandoffId, SourceHandoff>,
     destinations: BTreeMap<HandoffId, DestinationHandoff>,
@@ -306,7 +306,7 @@ pub struct Replay<'a> {
     policy: HandoffPolicy,
     now_ns: u64,
     events: u64,
-    queue: EventQueue<Ev>,
+    queue: EventQueue<Event>,
     /// Drained effect buffers, handed to the next core that steps (at most one per worker).
     spare_effects: Vec<Effects>,
     slots: Vec<Slot>,
@@ -651,11 +651,11 @@ impl<'a> Replay<'a> {
         r.arm_arrival();
         for i in 0..r.cfg.scale.len() {
             let at = r.cfg.scale[i].at_ms.saturating_mul(NS_PER_MS);
-            r.push(at, Ev::Scale(i));
+            r.push(at, Event::Scale(i));
         }
         if let Some(p) = &r.planner {
             let at = p.interval_ns();
-            r.push(at, Ev::PlannerTick);
+            r.push(at, Event::PlannerTick);
         }
         Ok(r)
     }
@@ -665,11 +665,11 @@ impl<'a> Replay<'a> {
         self
     }
 
-    fn push(&mut self, at_ns: u64, ev: Ev) {
+    fn push(&mut self, at_ns: u64, ev: Event) {
         self.queue.push(at_ns, ev);
     }
 
-    fn push_all(&mut self, evs: Vec<Ev>) {
+    fn push_all(&mut self, evs: Vec<Event>) {
         let now = self.now_ns;
         for ev in evs {
             self.push(now, ev);
@@ -780,16 +780,16 @@ impl<'a> Replay<'a> {
 
     /// Runs to the end of the trace and until every event is handled.
     pub fn run(mut self) -> Result<ReplayOutcome, ReplayError> {
-        while let Some((at_ns, ev)) = self.queue.pop_with_starts(Ev::StepDone, Ev::StepStart) {
+        while let Some((at_ns, ev)) = self.queue.pop_with_starts(Event::StepDone, Event::StepStart) {
             if at_ns >= self.quiet.earliest_ns {
                 // A step boundary ranks by its worker; anything else after every boundary.
-                let rank = if let Ev::StepDone(s) = ev { s } else { usize::MAX };
+                let rank = if let Event::StepDone(s) = ev { s } else { usize::MAX };
                 self.write_quiet_until(at_ns, rank)?;
             }
             self.now_ns = at_ns;
             // A step start is the loop's own bookkeeping, not an event of the run: a quiet run
             // has none between its steps, and the count must not depend on coalescing.
-            if !matches!(ev, Ev::StepStart(_)) {
+            if !matches!(ev, Event::StepStart(_)) {
                 self.events += 1;
             }
             self.handle(ev)?;
@@ -833,15 +833,15 @@ impl<'a> Replay<'a> {
         })
     }
 
-    fn handle(&mut self, ev: Ev) -> Result<(), ReplayError> {
+    fn handle(&mut self, ev: Event) -> Result<(), ReplayError> {
         let now = self.now_ns;
         // Fault injection may drop, reject or double a delivery.
         if self.faults.active() && self.fault_intercepts(&ev)? {
             return self.fault_boundary();
         }
         match ev {
-            Ev::Arrival => self.on_arrival()?,
-            Ev::StepDone(s) => {
+            Event::Arrival => self.on_arrival()?,
+            Event::StepDone(s) => {
                 // (`is_some` first: taking moves the whole run, and most boundaries have none.)
                 if self.quiet.runs[s].is_some() {
                     if let Some(q) = self.quiet.runs[s].take() {
@@ -852,8 +852,8 @@ impl<'a> Replay<'a> {
                 if let Some(effects) = self.slots[s].pending.take() {
                     self.apply_effects(s, effects)?;
                 }
-                while let Some((cmd, then)) = self.slots[s].inbox.pop_front() {
-                    self.execute(s, cmd)?;
+                while let Some((command, then)) = self.slots[s].inbox.pop_front() {
+                    self.execute(s, command)?;
                     self.push_all(then);
                 }
                 if self.queue.has_due(now) {
@@ -865,8 +865,8 @@ impl<'a> Replay<'a> {
                     self.kick(s)?;
                 }
             }
-            Ev::StepStart(s) => self.kick(s)?,
-            Ev::Command { slot, cmd, then } => {
+            Event::StepStart(s) => self.kick(s)?,
+            Event::Command { slot, command, then } => {
                 if self.slots[slot].busy && self.quiet.runs[slot].is_some() {
                     if let Some(q) = self.quiet.runs[slot].take() {
                         // Leaves the worker free if its last step ended right now.
@@ -874,14 +874,14 @@ impl<'a> Replay<'a> {
                     }
                 }
                 if self.slots[slot].busy {
-                    self.slots[slot].inbox.push_back((cmd, then));
+                    self.slots[slot].inbox.push_back((command, then));
                 } else {
-                    self.execute(slot, cmd)?;
+                    self.execute(slot, command)?;
                     self.push_all(then);
                     self.queue.push_start(slot, now);
                 }
             }
-            Ev::Deliver { slot, msg } => {
+            Event::Deliver { slot, msg } => {
                 let handoff = msg.handoff;
                 if self.slots[slot].sources.contains_key(&handoff) {
                     self.source_event(slot, handoff, SourceEvent::Message(msg))?;
@@ -893,21 +893,21 @@ impl<'a> Replay<'a> {
                 }
                 // (A worker that left has no transport: a straggler message to it is lost.)
             }
-            Ev::TransferDone { slot, handoff } => {
+            Event::TransferDone { slot, handoff } => {
                 self.destination_event(slot, handoff, DestinationEvent::ReceiveCompleted)?;
             }
-            Ev::TransferTick => self.on_transfer_tick()?,
-            Ev::LeaseTimer { slot, handoff } => {
+            Event::TransferTick => self.on_transfer_tick()?,
+            Event::LeaseTimer { slot, handoff } => {
                 self.source_event(slot, handoff, SourceEvent::LeaseExpired)?;
             }
-            Ev::ReservationTimer { slot, handoff } => {
+            Event::ReservationTimer { slot, handoff } => {
                 self.destination_event(slot, handoff, DestinationEvent::ReservationExpired)?;
             }
-            Ev::RenewTimer { slot, handoff } => self.on_renew(slot, handoff)?,
-            Ev::BootstrapTimer { request } => self.on_bootstrap_timeout(request)?,
-            Ev::FaultTimer => {}
-            Ev::Scale(i) => self.on_planned_scale(i)?,
-            Ev::PlannerTick => self.on_planner_tick()?,
+            Event::RenewTimer { slot, handoff } => self.on_renew(slot, handoff)?,
+            Event::BootstrapTimer { request } => self.on_bootstrap_timeout(request)?,
+            Event::FaultTimer => {}
+            Event::Scale(i) => self.on_planned_scale(i)?,
+            Event::PlannerTick => self.on_planner_tick()?,
         }
         if self.faults.active() {
             self.fault_boundary()?;
@@ -921,7 +921,7 @@ impl<'a> Replay<'a> {
     /// instant or earlier already.
     fn arm_arrival(&mut self) {
         let due = self.workload.next_due_ns();
-        arm(&mut self.queue, &mut self.arrival_armed_ns, self.now_ns, due, Ev::Arrival);
+        arm(&mut self.queue, &mut self.arrival_armed_ns, self.now_ns, due, Event::Arrival);
     }
 
     fn on_arrival(&mut self) -> Result<(), ReplayError> {
@@ -963,7 +963,10 @@ impl<'a> Replay<'a> {
             // finishes; decode follows (see `prefill_finished_unpinned`).
             self.guards.insert(id, Guard::new(request.clone(), None, p_slot, now));
             let prefill = Request { output_tokens: 1, ..request };
-            self.push(now, Ev::Command { slot: p_slot, cmd: Cmd::Submit(prefill), then: Vec::new() });
+            self.push(
+                now,
+                Event::Command { slot: p_slot, command: Command::Submit(prefill), then: Vec::new() },
+            );
             return Ok(());
         }
         if self.policy == HandoffPolicy::Disabled {
@@ -975,7 +978,10 @@ impl<'a> Replay<'a> {
             self.emit_router(now, booked)?;
             let guard = Guard { decode: Some(p_slot), ..Guard::new(request.clone(), None, p_slot, now) };
             self.guards.insert(id, guard);
-            self.push(now, Ev::Command { slot: p_slot, cmd: Cmd::Submit(request), then: Vec::new() });
+            self.push(
+                now,
+                Event::Command { slot: p_slot, command: Command::Submit(request), then: Vec::new() },
+            );
             return Ok(());
         }
         let handoff = self.mint.handoff_id();
@@ -993,7 +999,7 @@ impl<'a> Replay<'a> {
             dest = Some(d_slot);
             self.push(
                 now.saturating_add(self.cfg.bootstrap_timeout_ms * NS_PER_MS),
-                Ev::BootstrapTimer { request: id },
+                Event::BootstrapTimer { request: id },
             );
         }
         self.guards.insert(id, guard);
@@ -1067,7 +1073,7 @@ impl<'a> Replay<'a> {
         self.slots[d_slot].destinations.insert(handoff, dest);
         self.destination_event(d_slot, handoff, DestinationEvent::Routed { worker: d })?;
         if let Some(renew) = self.cfg.lease_renew_ms {
-            self.push(now.saturating_add(renew * NS_PER_MS), Ev::RenewTimer { slot: d_slot, handoff });
+            self.push(now.saturating_add(renew * NS_PER_MS), Event::RenewTimer { slot: d_slot, handoff });
         }
         Ok(())
     }
@@ -1101,7 +1107,7 @@ impl<'a> Replay<'a> {
                         let slot = &mut self.slots[s];
                         slot.busy = true;
                         slot.zero_steps = (u64::MAX, 0);
-                        self.queue.push_lane(s, q.end_of(q.steps), Ev::StepDone(s));
+                        self.queue.push_lane(s, q.end_of(q.steps), Event::StepDone(s));
                         self.quiet.runs[s] = Some(q);
                         self.quiet.refresh(s);
                         self.recycle_effects(out.effects);
@@ -1112,7 +1118,7 @@ impl<'a> Replay<'a> {
                 slot.busy = true;
                 slot.pending = Some(out.effects);
                 slot.zero_steps = (u64::MAX, 0);
-                self.queue.push_lane(s, now.saturating_add(out.duration_ns), Ev::StepDone(s));
+                self.queue.push_lane(s, now.saturating_add(out.duration_ns), Event::StepDone(s));
                 return Ok(());
             }
             if out.effects.facts.is_empty() && out.effects.outputs.is_empty() {
@@ -1137,21 +1143,21 @@ impl<'a> Replay<'a> {
         }
     }
 
-    fn execute(&mut self, s: usize, cmd: Cmd) -> Result<(), ReplayError> {
+    fn execute(&mut self, s: usize, command: Command) -> Result<(), ReplayError> {
         let now = self.now_ns;
         let core = &mut self.slots[s].core;
-        match cmd {
-            Cmd::Submit(request) => {
+        match command {
+            Command::Submit(request) => {
                 let id = request.id;
                 let r = core.submit(request, now);
                 self.command_result(s, r, None, Some(id))
             }
-            Cmd::SubmitPrefilled(request) => {
+            Command::SubmitPrefilled(request) => {
                 let id = request.id;
                 let r = core.submit_prefilled(request, now);
                 self.command_result(s, r, None, Some(id))
             }
-            Cmd::DispatchPrefill { handoff, request, lease_ns } => {
+            Command::DispatchPrefill { handoff, request, lease_ns } => {
                 let id = request.id;
                 let r = core.submit_handoff_prefill(handoff, request, lease_ns, now);
                 if r.outcome.is_err() {
@@ -1159,26 +1165,26 @@ impl<'a> Replay<'a> {
                 }
                 self.command_result(s, r, Some(handoff), Some(id))
             }
-            Cmd::Reserve { handoff, request, deadline_ns } => {
+            Command::Reserve { handoff, request, deadline_ns } => {
                 let r = core.reserve_destination(handoff, request, deadline_ns, now);
                 self.command_result(s, r, Some(handoff), None)
             }
-            Cmd::Activate(h) => {
+            Command::Activate(h) => {
                 let r = core.activate_destination(h, now);
                 self.command_result(s, r, Some(h), None)
             }
-            Cmd::ReleaseSource(h, reason) => {
+            Command::ReleaseSource(h, reason) => {
                 let r = core.release_source(h, reason, now);
                 self.command_result(s, r, Some(h), None)
             }
-            Cmd::CancelSource(h, reason) => {
+            Command::CancelSource(h, reason) => {
                 let r = core.cancel_source(h, reason, now);
                 self.command_result(s, r, Some(h), None)?;
                 // The core no longer computes this prefill (it ended it, or released the pin
                 // the step in flight made).
                 self.source_left_core(h)
             }
-            Cmd::CancelDestination(h, reason) => {
+            Command::CancelDestination(h, reason) => {
                 // The core's cancel names a cause; an expired reservation is canceled as expired.
                 let reason = match reason {
                     EndReason::Canceled(r) => r,
@@ -1531,7 +1537,10 @@ impl<'a> Replay<'a> {
             g.decode = Some(d_slot);
         }
         let at = now.saturating_add(self.transfer.transfer_ns(req.input_tokens as u64));
-        self.push(at, Ev::Command { slot: d_slot, cmd: Cmd::SubmitPrefilled(req), then: Vec::new() });
+        self.push(
+            at,
+            Event::Command { slot: d_slot, command: Command::SubmitPrefilled(req), then: Vec::new() },
+        );
         Ok(())
     }
 
@@ -1570,7 +1579,7 @@ impl<'a> Replay<'a> {
 
     fn arm_transfer_tick(&mut self) {
         let due = self.contention.as_ref().and_then(|m| m.next_event_ns());
-        arm(&mut self.queue, &mut self.tick_armed_ns, self.now_ns, due, Ev::TransferTick);
+        arm(&mut self.queue, &mut self.tick_armed_ns, self.now_ns, due, Event::TransferTick);
     }
 
     fn on_transfer_tick(&mut self) -> Result<(), ReplayError> {
@@ -1628,18 +1637,18 @@ impl<'a> Replay<'a> {
                     let request = req.request.clone();
                     // From here the core may compute it: the booking stays (see `computing`).
                     self.computing.insert(handoff);
-                    batch.command(s, Cmd::DispatchPrefill { handoff, request, lease_ns });
+                    batch.command(s, Command::DispatchPrefill { handoff, request, lease_ns });
                 }
                 // The prefill booking is freed when the core reports the pin's release.
                 SourceAction::ReleaseSource { reason, .. } => {
-                    batch.command(s, Cmd::ReleaseSource(handoff, reason))
+                    batch.command(s, Command::ReleaseSource(handoff, reason))
                 }
                 SourceAction::CancelPrefill { reason } => {
-                    batch.command(s, Cmd::CancelSource(handoff, reason))
+                    batch.command(s, Command::CancelSource(handoff, reason))
                 }
                 SourceAction::Send { to, message } => batch.message(self.slot_of(to), message),
                 SourceAction::ScheduleLeaseTimer { deadline_ns } => {
-                    self.push(deadline_ns.max(now), Ev::LeaseTimer { slot: s, handoff });
+                    self.push(deadline_ns.max(now), Event::LeaseTimer { slot: s, handoff });
                 }
             }
         }
@@ -1688,14 +1697,14 @@ impl<'a> Replay<'a> {
                         continue;
                     };
                     let request = req.request.clone();
-                    batch.command(s, Cmd::Reserve { handoff, request, deadline_ns });
+                    batch.command(s, Command::Reserve { handoff, request, deadline_ns });
                 }
                 DestinationAction::StartReceive { from, missing_tokens, bytes } => {
                     if self.contention.is_some() {
                         self.start_shared_transfer(s, handoff, from, bytes)?;
                     } else {
                         let at = now.saturating_add(self.transfer.transfer_ns(missing_tokens as u64));
-                        self.push(at, Ev::TransferDone { slot: s, handoff });
+                        self.push(at, Event::TransferDone { slot: s, handoff });
                     }
                 }
                 DestinationAction::ActivateDestination { .. } => {
@@ -1704,17 +1713,17 @@ impl<'a> Replay<'a> {
                             g.activated = true;
                         }
                     }
-                    batch.command(s, Cmd::Activate(handoff));
+                    batch.command(s, Command::Activate(handoff));
                 }
                 DestinationAction::ReleaseDestination { reason, .. } => {
-                    batch.command(s, Cmd::CancelDestination(handoff, reason))
+                    batch.command(s, Command::CancelDestination(handoff, reason))
                 }
                 DestinationAction::AbortRequest { reason } => {
-                    batch.command(s, Cmd::CancelDestination(handoff, EndReason::Canceled(reason)))
+                    batch.command(s, Command::CancelDestination(handoff, EndReason::Canceled(reason)))
                 }
                 DestinationAction::Send { to, message } => batch.message(self.slot_of(to), message),
                 DestinationAction::ScheduleReservationTimer { deadline_ns } => {
-                    self.push(deadline_ns.max(now), Ev::ReservationTimer { slot: s, handoff });
+                    self.push(deadline_ns.max(now), Event::ReservationTimer { slot: s, handoff });
                 }
             }
         }
@@ -1774,7 +1783,7 @@ impl<'a> Replay<'a> {
         }
         self.destination_event(s, handoff, DestinationEvent::RenewLease)?;
         if let Some(renew) = self.cfg.lease_renew_ms {
-            self.push(now.saturating_add(renew * NS_PER_MS), Ev::RenewTimer { slot: s, handoff });
+            self.push(now.saturating_add(renew * NS_PER_MS), Event::RenewTimer { slot: s, handoff });
         }
         Ok(())
     }
@@ -1862,7 +1871,7 @@ impl<'a> Replay<'a> {
         if self.held_back {
             self.held_back = false;
             self.arrival_armed_ns = Some(now);
-            self.push(now, Ev::Arrival);
+            self.push(now, Event::Arrival);
         }
         self.arm_arrival();
         Ok(())
@@ -1947,7 +1956,7 @@ fn make_core(w: WorkerId, cfg: &ReplayConfig) -> Result<Box<dyn EngineCore>, Rep
 /// Queues `ev` for `due` (not before `now_ns`) unless one is queued for that instant or earlier
 /// already (`armed`): an event that wakes a component whose next instant keeps moving (the
 /// workload, the contention model) is queued once per instant, not once per change.
-fn arm(queue: &mut EventQueue<Ev>, armed: &mut Option<u64>, now_ns: u64, due: Option<u64>, ev: Ev) {
+fn arm(queue: &mut EventQueue<Event>, armed: &mut Option<u64>, now_ns: u64, due: Option<u64>, ev: Event) {
     let Some(due) = due else { return };
     let at = due.max(now_ns);
     if armed.map_or(true, |a| at < a) {
@@ -2005,7 +2014,7 @@ impl Replay<'_> {
         // Ticks never keep a run alive on their own: with nothing else queued, nothing can
         // happen any more but ticks.
         if !self.queue.is_empty() {
-            self.push(now.saturating_add(interval_ns), Ev::PlannerTick);
+            self.push(now.saturating_add(interval_ns), Event::PlannerTick);
         }
         Ok(())
     }
@@ -2189,8 +2198,8 @@ impl Replay<'_> {
     /// Applies the fault plan to a delivery: a lost channel drops it, a message from an older
     /// generation of a restarted sender is rejected as stale, a duplicate is queued behind it,
     /// a late-message fault keeps a copy. True when the delivery is consumed here.
-    fn fault_intercepts(&mut self, ev: &Ev) -> Result<bool, ReplayError> {
-        let Ev::Deliver { slot, msg } = ev else {
+    fn fault_intercepts(&mut self, ev: &Event) -> Result<bool, ReplayError> {
+        let Event::Deliver { slot, msg } = ev else {
             return Ok(false);
         };
         let (slot, msg) = (*slot, *msg);
@@ -2213,7 +2222,7 @@ impl Replay<'_> {
         if let Some(fault) = self.faults.duplicate_next.remove(&h) {
             let text = format!("{:?} to {} delivered twice", msg.kind(), self.slots[slot].id);
             self.faults.note(fault, text);
-            self.push(self.now_ns, Ev::Deliver { slot, msg });
+            self.push(self.now_ns, Event::Deliver { slot, msg });
         }
         if let Some(Late::Armed(fault)) = self.faults.late.get(&h).copied() {
             self.faults.late.insert(h, Late::Captured { fault, slot, msg });
@@ -2246,7 +2255,7 @@ impl Replay<'_> {
                     now as f64 / 1e6
                 );
                 self.faults.note(fault, text);
-                self.push(now, Ev::Deliver { slot, msg });
+                self.push(now, Event::Deliver { slot, msg });
             }
         }
         if self.faults.armed.is_empty() {
@@ -2280,7 +2289,7 @@ impl Replay<'_> {
                     (true, None) => {
                         let at = now.saturating_add(spec.delay_ms.saturating_mul(NS_PER_MS));
                         self.faults.due_ns.insert(i, at);
-                        self.push(at, Ev::FaultTimer);
+                        self.push(at, Event::FaultTimer);
                         rest.push(i);
                     }
                     (true, Some(at)) if now >= at => due.push(i),
