@@ -10,7 +10,7 @@
 //! the fixed worker order matters only against another boundary or a timer due at the same
 //! nanosecond, and makes a boundary's place independent of when it was queued. That is what
 //! lets the replay skip queuing a quiet worker's step boundaries one by one (see
-//! `engine::QuietRun`): where a skipped boundary falls in this order is known without its
+//! `engine::quiet::QuietRun`): where a skipped boundary falls in this order is known without its
 //! insertion number.
 //!
 //! One binary heap would do, but most events are of two kinds that a heap serves badly:
@@ -148,7 +148,7 @@ impl<E> EventQueue<E> {
     }
 
     /// Takes back `lane`'s pending step boundary (a worker whose step ended where a command
-    /// lands, see `engine::QuietRun`). Returns false when the lane holds none.
+    /// lands, see `engine::quiet::QuietRun`). Returns false when the lane holds none.
     pub fn cancel_lane(&mut self, lane: usize) -> bool {
         match self.lane_at.get_mut(lane) {
             Some(t) if *t != EMPTY => {
