@@ -3,7 +3,7 @@
 //! timers (a message after a command in one transition waits until the command is applied).
 
 use super::simulator::Event;
-use super::worker::Command;
+use super::worker::{Command, Membership};
 use super::{Replay, ReplayError, NS_PER_MS};
 use crate::adapters::replay::transfer::TransferModel;
 use crate::ids::{EndReason, HandoffId};
@@ -34,6 +34,22 @@ impl Batch {
 }
 
 impl Replay<'_> {
+    /// A message reaches the worker: the role machine of its handoff there takes it; with none,
+    /// it is rejected as for an unknown handoff.
+    pub(super) fn on_deliver(&mut self, slot: usize, msg: HandoffMessage) -> Result<(), ReplayError> {
+        let handoff = msg.handoff;
+        if self.slots[slot].sources.contains_key(&handoff) {
+            self.source_event(slot, handoff, SourceEvent::Message(msg))?;
+        } else if self.slots[slot].destinations.contains_key(&handoff) {
+            self.destination_event(slot, handoff, DestinationEvent::Message(msg))?;
+        } else if !matches!(self.slots[slot].membership, Membership::Left { .. }) {
+            let f = msg.rejected_fact(crate::events::MessageRejection::UnknownHandoff);
+            self.emit(slot, self.now_ns, f)?;
+        }
+        // (A worker that left has no transport: a straggler message to it is lost.)
+        Ok(())
+    }
+
     pub(super) fn source_event(
         &mut self,
         s: usize,

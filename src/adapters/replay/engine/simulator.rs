@@ -2,7 +2,7 @@
 //! event, the in-process address book (worker id → slot) and the transfer model (fixed
 //! bandwidth, or NICs shared under `contention`).
 
-use super::worker::{Command, Membership};
+use super::worker::Command;
 use super::{Replay, ReplayError, ReplayOutcome};
 use crate::adapters::replay::queue::EventQueue;
 use crate::events::Fact;
@@ -127,65 +127,16 @@ impl Replay<'_> {
     }
 
     fn handle(&mut self, ev: Event) -> Result<(), ReplayError> {
-        let now = self.now_ns;
         // Fault injection may drop, reject or double a delivery.
         if self.faults.active() && self.fault_intercepts(&ev)? {
             return self.fault_boundary();
         }
         match ev {
             Event::Arrival => self.on_arrival()?,
-            Event::StepDone(s) => {
-                // (`is_some` first: taking moves the whole run, and most boundaries have none.)
-                if self.quiet.runs[s].is_some() {
-                    if let Some(q) = self.quiet.runs[s].take() {
-                        self.finish_quiet(s, q)?;
-                    }
-                }
-                self.slots[s].busy = false;
-                if let Some(effects) = self.slots[s].pending.take() {
-                    self.apply_effects(s, effects)?;
-                }
-                while let Some((command, then)) = self.slots[s].inbox.pop_front() {
-                    self.execute(s, command)?;
-                    self.push_all(then);
-                }
-                if self.queue.has_due(now) {
-                    self.queue.push_start(s, now);
-                } else {
-                    // Nothing else is due at this instant (no event, no other start), so
-                    // starting now is starting after everything of the instant: skip the
-                    // round trip through the queue that most step boundaries would take.
-                    self.kick(s)?;
-                }
-            }
+            Event::StepDone(s) => self.on_step_done(s)?,
             Event::StepStart(s) => self.kick(s)?,
-            Event::Command { slot, command, then } => {
-                if self.slots[slot].busy && self.quiet.runs[slot].is_some() {
-                    if let Some(q) = self.quiet.runs[slot].take() {
-                        // Leaves the worker free if its last step ended right now.
-                        self.cut_quiet(slot, q)?;
-                    }
-                }
-                if self.slots[slot].busy {
-                    self.slots[slot].inbox.push_back((command, then));
-                } else {
-                    self.execute(slot, command)?;
-                    self.push_all(then);
-                    self.queue.push_start(slot, now);
-                }
-            }
-            Event::Deliver { slot, msg } => {
-                let handoff = msg.handoff;
-                if self.slots[slot].sources.contains_key(&handoff) {
-                    self.source_event(slot, handoff, SourceEvent::Message(msg))?;
-                } else if self.slots[slot].destinations.contains_key(&handoff) {
-                    self.destination_event(slot, handoff, DestinationEvent::Message(msg))?;
-                } else if !matches!(self.slots[slot].membership, Membership::Left { .. }) {
-                    let f = msg.rejected_fact(crate::events::MessageRejection::UnknownHandoff);
-                    self.emit(slot, now, f)?;
-                }
-                // (A worker that left has no transport: a straggler message to it is lost.)
-            }
+            Event::Command { slot, command, then } => self.on_command(slot, command, then)?,
+            Event::Deliver { slot, msg } => self.on_deliver(slot, msg)?,
             Event::TransferDone { slot, handoff } => {
                 self.destination_event(slot, handoff, DestinationEvent::ReceiveCompleted)?;
             }

@@ -146,6 +146,62 @@ impl Replay<'_> {
         Ok(())
     }
 
+    /// A step ended: its effects are applied, then every command that waited in the inbox (each
+    /// followed by the events that waited for it), and the worker starts again after everything
+    /// else due at this instant.
+    pub(super) fn on_step_done(&mut self, s: usize) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        // (`is_some` first: taking moves the whole run, and most boundaries have none.)
+        if self.quiet.runs[s].is_some() {
+            if let Some(q) = self.quiet.runs[s].take() {
+                self.finish_quiet(s, q)?;
+            }
+        }
+        self.slots[s].busy = false;
+        if let Some(effects) = self.slots[s].pending.take() {
+            self.apply_effects(s, effects)?;
+        }
+        while let Some((command, then)) = self.slots[s].inbox.pop_front() {
+            self.execute(s, command)?;
+            self.push_all(then);
+        }
+        if self.queue.has_due(now) {
+            self.queue.push_start(s, now);
+        } else {
+            // Nothing else is due at this instant (no event, no other start), so
+            // starting now is starting after everything of the instant: skip the
+            // round trip through the queue that most step boundaries would take.
+            self.kick(s)?;
+        }
+        Ok(())
+    }
+
+    /// The inbox rule: a command reaching a busy worker waits for the step in flight (a quiet
+    /// run is cut at that step first); an idle worker applies it at once, then `then`, and
+    /// starts a step after everything else due now.
+    pub(super) fn on_command(
+        &mut self,
+        slot: usize,
+        command: Command,
+        then: Vec<Event>,
+    ) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        if self.slots[slot].busy && self.quiet.runs[slot].is_some() {
+            if let Some(q) = self.quiet.runs[slot].take() {
+                // Leaves the worker free if its last step ended right now.
+                self.cut_quiet(slot, q)?;
+            }
+        }
+        if self.slots[slot].busy {
+            self.slots[slot].inbox.push_back((command, then));
+        } else {
+            self.execute(slot, command)?;
+            self.push_all(then);
+            self.queue.push_start(slot, now);
+        }
+        Ok(())
+    }
+
     /// Starts a step on an idle worker that has work.
     pub(super) fn kick(&mut self, s: usize) -> Result<(), ReplayError> {
         let now = self.now_ns;
