@@ -219,7 +219,6 @@ impl<'a> Replay<'a> {
         cfg.validate()?;
         let policy = cfg.effective_policy();
         cfg.transfer.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
-        let transfer = cfg.transfer;
         let workload = Workload::new(trace, cfg.load, cfg.max_buffered_requests)?;
         let mut mint = IdMint::from_seed(cfg.seed);
         // The run id used to be these two draws; they are still taken so that every later draw
@@ -228,93 +227,25 @@ impl<'a> Replay<'a> {
         let _ = (mint.next_u64(), mint.next_u64());
         let run_id = identity::run_id(options.trace.as_ref(), &cfg);
         let description = identity::describe(options.trace.as_ref(), &cfg);
-        let per_request = options.per_request;
-        let mut slots = Vec::new();
-        let mut workers: Vec<WorkerId> = Vec::new();
-        if cfg.is_disaggregated() {
-            workers.extend((0..cfg.prefill_workers).map(WorkerId::prefill));
-            workers.extend((0..cfg.decode_workers).map(WorkerId::decode));
-        } else {
-            workers.extend((0..cfg.workers).map(WorkerId::aggregated));
-        }
-        let mut headers = Vec::new();
-        let mut metrics = MetricsFold::new().with_slo(options.slo);
-        if let Some(sink) = per_request {
-            metrics = metrics.with_sink(sink);
-        }
-        let mut block_size = 0;
-        for w in &workers {
-            let core = make_core(*w, &cfg)?;
-            let shape = core.shape();
-            if block_size != 0 && shape.block_size != block_size {
-                return Err(ConfigError::Invalid(format!(
-                    "{w}: block size {} differs from other workers' {block_size}; KV-aware routing and transfers need one block size",
-                    shape.block_size
-                ))
-                .into());
-            }
-            block_size = shape.block_size;
-            let header = header(run_id, *w, &cfg, policy, shape);
-            metrics.add_stream(&header);
-            headers.push(header);
-            slots.push(Slot::new(*w, core));
-        }
-        let contention = match (&cfg.transfer, cfg.contention.enabled) {
-            (crate::adapters::replay::transfer::TransferConfig::Bandwidth(link), true) => {
-                let names: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
-                // NIC overrides may also name workers that join later.
-                let mut known = names.clone();
-                if !cfg.scale.is_empty() || cfg.planner.is_some() {
-                    for i in 0..crate::adapters::replay::config::MAX_WORKERS {
-                        known.push(WorkerId::prefill(i).to_string());
-                        known.push(WorkerId::decode(i).to_string());
-                    }
-                }
-                cfg.contention
-                    .validate(&known)
-                    .map_err(|e| ConfigError::Invalid(format!("contention: {e}")))?;
-                Some(
-                    ContentionModel::new(&cfg.contention, names, link)
-                        .map_err(|e| ConfigError::Invalid(format!("contention: {e}")))?,
-                )
-            }
-            _ => None,
-        };
+        let workers = starting_workers(&cfg);
+        let (slots, mut headers, block_size) = engine_slots(&workers, &cfg, run_id, policy)?;
+        let contention = contention_model(&cfg, &workers)?;
         // The router has no engine: its header's free-text config says what was run (trace,
         // shape, routers, config digest), which `compare` shows.
         let router_shape = EngineShape { config_json: description.to_json(), ..EngineShape::none() };
-        let router_header = header(run_id, WorkerId::ROUTER, &cfg, policy, router_shape);
-        metrics.add_stream(&router_header);
-        headers.push(router_header);
+        headers.push(header(run_id, WorkerId::ROUTER, &cfg, policy, router_shape));
+        let mut metrics = MetricsFold::new().with_slo(options.slo);
+        if let Some(sink) = options.per_request {
+            metrics = metrics.with_sink(sink);
+        }
+        for h in &headers {
+            metrics.add_stream(h);
+        }
         let out = RunWriter::create(out_dir, headers)?;
         let sink = FactSink::start(out, metrics)
             .map_err(|e| ReplayError::Engine(format!("starting the log writer thread: {e}")))?;
-        let (prefill_workers, decode_workers): (Vec<WorkerId>, Vec<WorkerId>) = if cfg.is_disaggregated() {
-            workers.iter().partition(|w| w.role == Role::Prefill)
-        } else {
-            (workers.clone(), Vec::new())
-        };
-        let route_err = |e: crate::router::RouterError| ConfigError::Invalid(format!("router: {e}"));
-        let prefill_router =
-            Router::new(prefill_workers, cfg.prefill_router.clone(), block_size, mint.next_u64())
-                .map_err(route_err)?;
-        let decode_router = if decode_workers.is_empty() {
-            None
-        } else {
-            Some(
-                Router::new(decode_workers, cfg.decode_router.clone(), block_size, mint.next_u64())
-                    .map_err(route_err)?,
-            )
-        };
-        let mut prefill_slots = Vec::new();
-        let mut decode_slots = Vec::new();
-        for (s, w) in workers.iter().enumerate() {
-            match w.role {
-                Role::Decode => decode_slots.push(s),
-                _ => prefill_slots.push(s),
-            }
-        }
-        let planner = cfg.planner.map(Planner::new);
+        let (prefill_router, decode_router) = routers(&cfg, &workers, block_size, &mut mint)?;
+        let (prefill_slots, decode_slots) = role_slots(&workers);
         let mut r = Replay {
             policy,
             now_ns: 0,
@@ -328,7 +259,7 @@ impl<'a> Replay<'a> {
             handoff_request: BTreeMap::new(),
             pinned: std::collections::BTreeSet::new(),
             computing: std::collections::BTreeSet::new(),
-            transfer,
+            transfer: cfg.transfer,
             mint,
             sink,
             workload,
@@ -344,14 +275,8 @@ impl<'a> Replay<'a> {
             progress: None,
             next_progress: 4096,
             faults: FaultState::new(&cfg.faults),
-            quiet: QuietRuns {
-                // Fault phases are checked at every event boundary: keep them all.
-                enabled: cfg.coalesce_quiet_steps && cfg.faults.is_empty(),
-                runs: vec![None; workers.len()],
-                next_at: vec![u64::MAX; workers.len()],
-                earliest_ns: u64::MAX,
-                coalesced: 0,
-            },
+            // Fault phases are checked at every event boundary: keep them all.
+            quiet: QuietRuns::new(cfg.coalesce_quiet_steps && cfg.faults.is_empty(), workers.len()),
             livelock: None,
             last_progress_ns: 0,
             progress_limit_ns: 0,
@@ -360,39 +285,149 @@ impl<'a> Replay<'a> {
             prefill_slots,
             decode_slots,
             leaving: Vec::new(),
-            planner,
+            planner: cfg.planner.map(Planner::new),
             scaling: Vec::new(),
             cfg,
         };
-        for s in 0..r.slots.len() {
-            let g = r.slots[s].generation;
-            r.emit(s, 0, Fact::SessionStarted { generation: g })?;
+        r.start()?;
+        Ok(r)
+    }
+
+    /// Time 0: every starting stream (the router's too) opens its session, and the first
+    /// arrival, the planned changes and the planner's first tick are queued.
+    fn start(&mut self) -> Result<(), ReplayError> {
+        for s in 0..self.slots.len() {
+            let g = self.slots[s].generation;
+            self.emit(s, 0, Fact::SessionStarted { generation: g })?;
         }
-        r.emit_router(0, Fact::SessionStarted { generation: Generation(1) })?;
+        self.emit_router(0, Fact::SessionStarted { generation: Generation(1) })?;
         // Longer than every lifecycle timeout: by then a deadline would have moved something.
-        r.progress_limit_ns = r
+        self.progress_limit_ns = self
             .cfg
             .lease_ms
-            .max(r.cfg.reservation_timeout_ms)
-            .max(r.cfg.bootstrap_timeout_ms)
+            .max(self.cfg.reservation_timeout_ms)
+            .max(self.cfg.bootstrap_timeout_ms)
             .saturating_add(1_000)
             .saturating_mul(NS_PER_MS);
-        r.arm_arrival();
-        for i in 0..r.cfg.scale.len() {
-            let at = r.cfg.scale[i].at_ms.saturating_mul(NS_PER_MS);
-            r.push(at, Event::Scale(i));
+        self.arm_arrival();
+        for i in 0..self.cfg.scale.len() {
+            let at = self.cfg.scale[i].at_ms.saturating_mul(NS_PER_MS);
+            self.push(at, Event::Scale(i));
         }
-        if let Some(p) = &r.planner {
+        if let Some(p) = &self.planner {
             let at = p.interval_ns();
-            r.push(at, Event::PlannerTick);
+            self.push(at, Event::PlannerTick);
         }
-        Ok(r)
+        Ok(())
     }
 
     pub fn with_progress(mut self, p: Progress<'a>) -> Self {
         self.progress = Some(p);
         self
     }
+}
+
+/// The workers a run starts with, in slot order: prefill then decode, or the aggregated ones.
+fn starting_workers(cfg: &ReplayConfig) -> Vec<WorkerId> {
+    if cfg.is_disaggregated() {
+        let prefill = (0..cfg.prefill_workers).map(WorkerId::prefill);
+        prefill.chain((0..cfg.decode_workers).map(WorkerId::decode)).collect()
+    } else {
+        (0..cfg.workers).map(WorkerId::aggregated).collect()
+    }
+}
+
+/// A slot with its engine core for each worker, the workers' stream headers, and the one
+/// block size they must share.
+fn engine_slots(
+    workers: &[WorkerId],
+    cfg: &ReplayConfig,
+    run_id: uuid::Uuid,
+    policy: HandoffPolicy,
+) -> Result<(Vec<Slot>, Vec<StreamHeader>, u32), ReplayError> {
+    let mut slots = Vec::new();
+    let mut headers = Vec::new();
+    let mut block_size = 0;
+    for w in workers {
+        let core = make_core(*w, cfg)?;
+        let shape = core.shape();
+        if block_size != 0 && shape.block_size != block_size {
+            return Err(ConfigError::Invalid(format!(
+                "{w}: block size {} differs from other workers' {block_size}; KV-aware routing and transfers need one block size",
+                shape.block_size
+            ))
+            .into());
+        }
+        block_size = shape.block_size;
+        headers.push(header(run_id, *w, cfg, policy, shape));
+        slots.push(Slot::new(*w, core));
+    }
+    Ok((slots, headers, block_size))
+}
+
+/// The NICs transfers share, one per starting worker (`None` unless contention is on with a
+/// bandwidth transfer model).
+fn contention_model(
+    cfg: &ReplayConfig,
+    workers: &[WorkerId],
+) -> Result<Option<ContentionModel>, ReplayError> {
+    let (TransferConfig::Bandwidth(link), true) = (&cfg.transfer, cfg.contention.enabled) else {
+        return Ok(None);
+    };
+    let names: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
+    // NIC overrides may also name workers that join later.
+    let mut known = names.clone();
+    if !cfg.scale.is_empty() || cfg.planner.is_some() {
+        for i in 0..crate::adapters::replay::config::MAX_WORKERS {
+            known.push(WorkerId::prefill(i).to_string());
+            known.push(WorkerId::decode(i).to_string());
+        }
+    }
+    cfg.contention.validate(&known).map_err(|e| ConfigError::Invalid(format!("contention: {e}")))?;
+    let model = ContentionModel::new(&cfg.contention, names, link)
+        .map_err(|e| ConfigError::Invalid(format!("contention: {e}")))?;
+    Ok(Some(model))
+}
+
+/// The prefill router (every worker of an aggregated run) and the decode router, each seeded
+/// by the next draw of `mint`, prefill first.
+fn routers(
+    cfg: &ReplayConfig,
+    workers: &[WorkerId],
+    block_size: u32,
+    mint: &mut IdMint,
+) -> Result<(Router, Option<Router>), ReplayError> {
+    let (prefill_workers, decode_workers): (Vec<WorkerId>, Vec<WorkerId>) = if cfg.is_disaggregated() {
+        workers.iter().partition(|w| w.role == Role::Prefill)
+    } else {
+        (workers.to_vec(), Vec::new())
+    };
+    let route_err = |e: crate::router::RouterError| ConfigError::Invalid(format!("router: {e}"));
+    let prefill_router =
+        Router::new(prefill_workers, cfg.prefill_router.clone(), block_size, mint.next_u64())
+            .map_err(route_err)?;
+    let decode_router = if decode_workers.is_empty() {
+        None
+    } else {
+        Some(
+            Router::new(decode_workers, cfg.decode_router.clone(), block_size, mint.next_u64())
+                .map_err(route_err)?,
+        )
+    };
+    Ok((prefill_router, decode_router))
+}
+
+/// Each role's slots by worker index (aggregated workers count as prefill).
+fn role_slots(workers: &[WorkerId]) -> (Vec<usize>, Vec<usize>) {
+    let mut prefill_slots = Vec::new();
+    let mut decode_slots = Vec::new();
+    for (s, w) in workers.iter().enumerate() {
+        match w.role {
+            Role::Decode => decode_slots.push(s),
+            _ => prefill_slots.push(s),
+        }
+    }
+    (prefill_slots, decode_slots)
 }
 
 /// The engine core of worker `w`, as the configuration gives its role.

@@ -106,6 +106,17 @@ pub(super) struct QuietRuns {
 }
 
 impl QuietRuns {
+    /// No run in progress on any of `slots` workers; `enabled` false turns coalescing off.
+    pub(super) fn new(enabled: bool, slots: usize) -> Self {
+        QuietRuns {
+            enabled,
+            runs: vec![None; slots],
+            next_at: vec![u64::MAX; slots],
+            earliest_ns: u64::MAX,
+            coalesced: 0,
+        }
+    }
+
     pub(super) fn refresh(&mut self, slot: usize) {
         self.next_at[slot] = self.runs[slot].as_ref().map_or(u64::MAX, QuietRun::next_due_ns);
         self.earliest_ns = self.next_at.iter().copied().min().unwrap_or(u64::MAX);
