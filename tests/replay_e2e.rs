@@ -1534,8 +1534,9 @@ fn session_trace() -> String {
 /// Every pinned replay: the cascade trace with each `fixtures/configs/cascade*.json`, the
 /// Mooncake sample (2P+2D) with the default and the kv router, the livelock trace, on both
 /// backends; then, beside those, the paths of the event loop they leave out: aggregated serving,
-/// a closed loop, sessions (open and closed loop), planned scaling with the planner, and NIC
-/// contention. `scratch` holds the generated trace and configs.
+/// a closed loop, sessions (open and closed loop), planned scaling with the planner, NIC
+/// contention, the Disabled policy, and each backend under the other's policy. `scratch` holds
+/// the generated trace and configs.
 fn pinned_replays(scratch: &Path) -> Vec<PinnedReplay> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let owned = |args: &[&str]| args.iter().map(|a| a.to_string()).collect::<Vec<_>>();
@@ -1602,6 +1603,12 @@ fn pinned_replays(scratch: &Path) -> Vec<PinnedReplay> {
         add(format!("cascade-scaled-planner/{backend}"), &root, "fixtures/traces/cascade.jsonl", args, 0);
         let args = owned(&["--config", contention.to_str().unwrap()]);
         add(format!("mooncake-200-contention/{backend}"), &root, mooncake, args, 0);
+        let args = [owned(SMALL), owned(&["--policy", "disabled"])].concat();
+        add(format!("mooncake-200-policy-disabled/{backend}"), &root, mooncake, args, 0);
+        // Each backend under the other's handoff policy.
+        let other = if backend == "vllm" { "destination-first" } else { "source-first" };
+        let args = [owned(SMALL), owned(&["--policy", other])].concat();
+        add(format!("mooncake-200-policy-{other}/{backend}"), &root, mooncake, args, 0);
     }
     cases
 }
