@@ -59,6 +59,9 @@ impl Replay<'_> {
         arm(&mut self.queue, &mut self.arrival_armed_ns, self.now_ns, due, Event::Arrival);
     }
 
+    /// The workload's next due request arrives (unless `max_in_flight` holds it back): the
+    /// router stream records it, the prefill router picks and books a worker, and the request
+    /// starts there, with a handoff or (the Disabled policy) without.
     pub(super) fn on_arrival(&mut self) -> Result<(), ReplayError> {
         let now = self.now_ns;
         if self.arrival_armed_ns == Some(now) {
@@ -85,7 +88,6 @@ impl Replay<'_> {
             },
         )?;
         let prompt_blocks = request.input_tokens.div_ceil(self.block_size);
-        let total_blocks = (request.input_tokens + request.output_tokens).div_ceil(self.block_size);
         let p = self.prefill_router.select(&request).worker;
         let booked = self
             .prefill_router
@@ -93,9 +95,25 @@ impl Replay<'_> {
             .map_err(|e| ReplayError::Engine(e.to_string()))?;
         self.emit_router(now, booked)?;
         let p_slot = self.slot_of(p);
-        if self.policy == HandoffPolicy::Disabled && self.cfg.is_disaggregated() {
-            // The behaviour before the lifecycle: a one-token prefill that frees its KV as it
-            // finishes; decode follows (see `prefill_finished_unpinned`).
+        if self.policy == HandoffPolicy::Disabled {
+            self.start_without_handoff(request, p, p_slot)
+        } else {
+            self.start_handoff(request, p, p_slot)
+        }
+    }
+
+    /// The Disabled policy, the behaviour before the lifecycle: nothing is pinned or reserved.
+    /// Disaggregated, a one-token prefill frees its KV as it finishes and decode follows (see
+    /// `prefill_finished_unpinned`); aggregated, the same worker prefills and decodes.
+    fn start_without_handoff(
+        &mut self,
+        request: Request,
+        p: WorkerId,
+        p_slot: usize,
+    ) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        let id = request.id;
+        if self.cfg.is_disaggregated() {
             self.guards.insert(id, Guard::new(request.clone(), None, p_slot, now));
             let prefill = Request { output_tokens: 1, ..request };
             self.push(
@@ -104,21 +122,25 @@ impl Replay<'_> {
             );
             return Ok(());
         }
-        if self.policy == HandoffPolicy::Disabled {
-            // Aggregated: the same worker prefills and decodes.
-            let booked = self
-                .prefill_router
-                .book_decode(id, p, total_blocks)
-                .map_err(|e| ReplayError::Engine(e.to_string()))?;
-            self.emit_router(now, booked)?;
-            let guard = Guard { decode: Some(p_slot), ..Guard::new(request.clone(), None, p_slot, now) };
-            self.guards.insert(id, guard);
-            self.push(
-                now,
-                Event::Command { slot: p_slot, command: Command::Submit(request), then: Vec::new() },
-            );
-            return Ok(());
-        }
+        let total_blocks = (request.input_tokens + request.output_tokens).div_ceil(self.block_size);
+        let booked = self
+            .prefill_router
+            .book_decode(id, p, total_blocks)
+            .map_err(|e| ReplayError::Engine(e.to_string()))?;
+        self.emit_router(now, booked)?;
+        let guard = Guard { decode: Some(p_slot), ..Guard::new(request.clone(), None, p_slot, now) };
+        self.guards.insert(id, guard);
+        self.push(now, Event::Command { slot: p_slot, command: Command::Submit(request), then: Vec::new() });
+        Ok(())
+    }
+
+    /// A handoff starts for a request booked on prefill worker `p`: a HandoffId is minted, the
+    /// guard is kept, and the source machine is made on `p` and started. Destination-first
+    /// (SGLang) routes and books the decode now, starts its destination machine and arms the
+    /// bootstrap timer; source-first routes decode once the prefill is pinned.
+    fn start_handoff(&mut self, request: Request, p: WorkerId, p_slot: usize) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        let id = request.id;
         let handoff = self.mint.handoff_id();
         self.handoff_request.insert(handoff, id);
         let demand = KvHandoffDemand {
