@@ -259,6 +259,24 @@ impl Replay<'_> {
         Ok(())
     }
 
+    /// A source pin's release, read from the prefill worker's facts: the prefill booking is
+    /// freed (bookings follow physical pins) and the correlation dropped once nothing holds it.
+    pub(super) fn source_released(&mut self, req: RequestId, at_ns: u64) -> Result<(), ReplayError> {
+        if let Some(f) = self.prefill_router.free_prefill(req) {
+            self.emit_router(at_ns, f)?;
+        }
+        if let Some(h) = self.guards.get(&req).and_then(|g| g.handoff) {
+            self.forget_handoff(h);
+        } else {
+            let hs: Vec<HandoffId> =
+                self.handoff_request.iter().filter(|(_, r)| **r == req).map(|(h, _)| *h).collect();
+            for h in hs {
+                self.forget_handoff(h);
+            }
+        }
+        Ok(())
+    }
+
     /// A dispatched prefill the core no longer computes (ended or refused; a pin is tracked in
     /// `pinned` instead): the prefill booking of a request that already ended is freed now.
     pub(super) fn source_left_core(&mut self, h: HandoffId) -> Result<(), ReplayError> {

@@ -86,6 +86,10 @@ pub(super) enum Membership {
 }
 
 impl Replay<'_> {
+    /// Writes one of worker `slot`'s facts to its stream. Some facts are also read here as
+    /// signals (each a message once issue #10 splits the frontend off): KV facts feed both
+    /// routers' indexes, a pin's start and release keep the prefill booking (`pinned`,
+    /// [`Replay::source_released`]), and preemptions feed the livelock watch.
     pub(super) fn emit(&mut self, slot: usize, at_ns: u64, fact: Fact) -> Result<(), ReplayError> {
         if Self::is_progress(&fact) {
             self.last_progress_ns = at_ns;
@@ -123,18 +127,7 @@ impl Replay<'_> {
         };
         self.sink.push(worker, at_ns, fact)?;
         if let Some(req) = released {
-            if let Some(f) = self.prefill_router.free_prefill(req) {
-                self.emit_router(at_ns, f)?;
-            }
-            if let Some(h) = self.guards.get(&req).and_then(|g| g.handoff) {
-                self.forget_handoff(h);
-            } else {
-                let hs: Vec<HandoffId> =
-                    self.handoff_request.iter().filter(|(_, r)| **r == req).map(|(h, _)| *h).collect();
-                for h in hs {
-                    self.forget_handoff(h);
-                }
-            }
+            self.source_released(req, at_ns)?;
         }
         Ok(())
     }
