@@ -177,7 +177,7 @@ pub struct Replay<'a> {
     next_progress: u64,
     /// Fault injection (inert without a fault plan).
     faults: FaultState,
-    /// Quiet runs in progress, by slot (see [`QuietRun`]).
+    /// Quiet runs in progress, by slot (see [`QuietRun`](quiet::QuietRun)).
     quiet: QuietRuns,
     /// Set when a worker is found livelocked: the run stops and says why.
     livelock: Option<String>,

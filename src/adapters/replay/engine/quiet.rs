@@ -25,6 +25,9 @@ use crate::schedulers::{QuietDurations, QuietSteps, StepOutput};
 ///
 /// Only commands touch a core (role machines, deliveries and timers reach it through them),
 /// so a run can be cut at exactly the step a command lands in.
+///
+/// [`EngineCore::quiet_steps`]: crate::schedulers::EngineCore::quiet_steps
+/// [`EngineCore::advance_quiet`]: crate::schedulers::EngineCore::advance_quiet
 #[derive(Clone, Debug)]
 pub(super) struct QuietRun {
     // What writing each fact reads, first.
