@@ -1493,3 +1493,218 @@ fn recover_removes_an_empty_stream_and_names_it() {
     assert!(!out.join("decode-7.hlog").exists());
     cli().arg("verify").arg(&out).assert().success();
 }
+
+// ---------------------------------------------------------------- pinned stream hashes
+
+/// The committed sha256 of every stream the pinned replays write: `CASE FILE SHA256` per line.
+const PINNED_HASHES: &str = "fixtures/replay-hashes.txt";
+/// Set to 1 to rewrite `PINNED_HASHES` from this build instead of comparing against it.
+const REGENERATE_HASHES: &str = "REGENERATE_REPLAY_HASHES";
+
+/// One replay whose streams are pinned. The trace path is given relative to `cwd`, as the
+/// router header records it (so the pin does not depend on where the checkout is).
+struct PinnedReplay {
+    name: String,
+    cwd: PathBuf,
+    trace: String,
+    args: Vec<String>,
+    /// The exit code the replay must end with (the livelock run stops with 1).
+    exit: i32,
+}
+
+/// A deterministic session trace: 12 sessions of 5 turns, each turn's prompt extending the
+/// previous one's blocks, odd turns with an explicit delay.
+fn session_trace() -> String {
+    let mut lines = Vec::new();
+    for turn in 0..5u64 {
+        for s in 0..12u64 {
+            let input = 512 * (turn + 1) + 100;
+            let hashes: Vec<String> = (0..turn + 2).map(|k| (s * 1000 + k).to_string()).collect();
+            let delay = if turn % 2 == 1 { format!(r#","delay":{}"#, 100 + s * 10) } else { String::new() };
+            lines.push(format!(
+                r#"{{"timestamp":{},"input_length":{input},"output_length":{},"hash_ids":[{}],"session_id":"s{s}"{delay}}}"#,
+                turn * 1000 + s * 50,
+                20 + (s + turn) % 30,
+                hashes.join(",")
+            ));
+        }
+    }
+    lines.join("\n") + "\n"
+}
+
+/// Every pinned replay: the cascade trace with each `fixtures/configs/cascade*.json`, the
+/// Mooncake sample (2P+2D) with the default and the kv router, the livelock trace, on both
+/// backends; then, beside those, the paths of the event loop they leave out: aggregated serving,
+/// a closed loop, sessions (open and closed loop), planned scaling with the planner, NIC
+/// contention, the Disabled policy, and each backend under the other's policy. `scratch` holds
+/// the generated trace and configs.
+fn pinned_replays(scratch: &Path) -> Vec<PinnedReplay> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let owned = |args: &[&str]| args.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    let mut configs: Vec<PathBuf> = std::fs::read_dir(root.join("fixtures/configs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("cascade"))
+        .collect();
+    configs.sort();
+    std::fs::write(scratch.join("sessions.jsonl"), session_trace()).unwrap();
+    let scaled = cascade_config(
+        scratch,
+        "scaled.json",
+        r#""scale": [{"at_ms": 20000, "decode": 2}, {"at_ms": 40000, "prefill": 1}, {"at_ms": 60000, "decode": -1}],
+        "planner": {"itl_ms_p90": 30, "interval_ms": 5000, "cooldown_ms": 15000, "window_ms": 20000}"#,
+    );
+    let contention = write_config(
+        scratch,
+        "contention.json",
+        r#"{"prefill_workers": 2, "decode_workers": 2, "transfer": {"mode": "bandwidth", "bandwidth_gbps": 8},
+            "contention": {"enabled": true}}"#,
+    );
+    let mut cases = Vec::new();
+    for backend in ["vllm", "sglang"] {
+        let mut add = |name: String, cwd: &Path, trace: &str, args: Vec<String>, exit: i32| {
+            let args = [owned(&["--backend", backend]), args].concat();
+            cases.push(PinnedReplay { name, cwd: cwd.to_path_buf(), trace: trace.into(), args, exit });
+        };
+        for config in &configs {
+            let stem = config.file_stem().unwrap().to_string_lossy();
+            let args = owned(&["--config", config.to_str().unwrap()]);
+            add(format!("{stem}/{backend}"), &root, "fixtures/traces/cascade.jsonl", args, 0);
+        }
+        for router in ["round-robin", "kv"] {
+            let mut args = owned(SMALL);
+            if router != "round-robin" {
+                args.extend(owned(&["--router", router]));
+            }
+            add(
+                format!("mooncake-200-{router}/{backend}"),
+                &root,
+                "fixtures/traces/mooncake-200.jsonl",
+                args,
+                0,
+            );
+        }
+        // The livelock stops vLLM's run (exit 1); SGLang's pool, not set by the config, drains.
+        let args = owned(&["--prefill", "1", "--decode", "3", "--config", "fixtures/configs/livelock.json"]);
+        add(
+            format!("livelock/{backend}"),
+            &root,
+            "fixtures/traces/livelock.jsonl",
+            args,
+            (backend == "vllm") as i32,
+        );
+        let mooncake = "fixtures/traces/mooncake-200.jsonl";
+        add(format!("mooncake-200-aggregated/{backend}"), &root, mooncake, owned(&["--workers", "2"]), 0);
+        let args = [owned(SMALL), owned(&["--concurrency", "16"])].concat();
+        add(format!("mooncake-200-closed-loop/{backend}"), &root, mooncake, args, 0);
+        add(format!("sessions-open-loop/{backend}"), scratch, "sessions.jsonl", owned(SMALL), 0);
+        let args = [owned(SMALL), owned(&["--concurrency", "4"])].concat();
+        add(format!("sessions-closed-loop/{backend}"), scratch, "sessions.jsonl", args, 0);
+        let args = owned(&["--config", scaled.to_str().unwrap()]);
+        add(format!("cascade-scaled-planner/{backend}"), &root, "fixtures/traces/cascade.jsonl", args, 0);
+        let args = owned(&["--config", contention.to_str().unwrap()]);
+        add(format!("mooncake-200-contention/{backend}"), &root, mooncake, args, 0);
+        let args = [owned(SMALL), owned(&["--policy", "disabled"])].concat();
+        add(format!("mooncake-200-policy-disabled/{backend}"), &root, mooncake, args, 0);
+        // Each backend under the other's handoff policy.
+        let other = if backend == "vllm" { "destination-first" } else { "source-first" };
+        let args = [owned(SMALL), owned(&["--policy", other])].concat();
+        add(format!("mooncake-200-policy-{other}/{backend}"), &root, mooncake, args, 0);
+    }
+    cases
+}
+
+/// `CASE FILE` → sha256 (hex) of every `.hlog` file of every pinned replay.
+fn replay_stream_hashes() -> BTreeMap<(String, String), String> {
+    use sha2::Digest;
+    let t = tempfile::tempdir().unwrap();
+    let scratch = t.path().join("inputs");
+    std::fs::create_dir(&scratch).unwrap();
+    let mut hashes = BTreeMap::new();
+    for (i, case) in pinned_replays(&scratch).iter().enumerate() {
+        let out = t.path().join(format!("run-{i}"));
+        let o = cli()
+            .current_dir(&case.cwd)
+            .arg("replay")
+            .arg(&case.trace)
+            .args(&case.args)
+            .arg("--out")
+            .arg(&out)
+            .arg("--json")
+            .timeout(std::time::Duration::from_secs(120))
+            .output()
+            .unwrap();
+        assert_eq!(
+            o.status.code(),
+            Some(case.exit),
+            "{}: replay {} {:?}: {}",
+            case.name,
+            case.trace,
+            case.args,
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let files = dir_bytes(&out);
+        assert!(!files.is_empty(), "{}: no streams written", case.name);
+        for (file, bytes) in files {
+            let digest: String = sha2::Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+            hashes.insert((case.name.clone(), file), digest);
+        }
+    }
+    hashes
+}
+
+/// Behaviour is pinned byte for byte: every stream of every pinned replay hashes to what
+/// `fixtures/replay-hashes.txt` says. A refactor of the event loop must keep this green without
+/// regenerating; a change that means to alter the logs regenerates (REGENERATE_REPLAY_HASHES=1)
+/// and says in its commit which facts changed and why.
+#[test]
+fn replays_of_the_fixture_traces_write_the_pinned_stream_bytes() {
+    let table = Path::new(env!("CARGO_MANIFEST_DIR")).join(PINNED_HASHES);
+    let found = replay_stream_hashes();
+    if std::env::var(REGENERATE_HASHES).is_ok_and(|v| v == "1") {
+        let mut text = String::from(
+            "# sha256 of every stream the pinned replays write (tests/replay_e2e.rs,\n\
+             # replays_of_the_fixture_traces_write_the_pinned_stream_bytes): CASE FILE SHA256.\n\
+             # Regenerate with REGENERATE_REPLAY_HASHES=1 only for a change meant to alter the logs.\n",
+        );
+        for ((case, file), digest) in &found {
+            text.push_str(&format!("{case} {file} {digest}\n"));
+        }
+        std::fs::write(&table, text).unwrap();
+        eprintln!("rewrote {} ({} streams)", table.display(), found.len());
+        return;
+    }
+    let text = std::fs::read_to_string(&table)
+        .unwrap_or_else(|e| panic!("{}: {e} (write it with {REGENERATE_HASHES}=1)", table.display()));
+    let expected: BTreeMap<(String, String), String> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
+        .map(|l| {
+            let parts: Vec<&str> = l.split_whitespace().collect();
+            assert_eq!(parts.len(), 3, "{PINNED_HASHES}: bad line {l:?}");
+            ((parts[0].to_string(), parts[1].to_string()), parts[2].to_string())
+        })
+        .collect();
+    let mut mismatches = Vec::new();
+    for (key @ (case, file), want) in &expected {
+        match found.get(key) {
+            Some(got) if got == want => {}
+            Some(got) => mismatches.push(format!("{case} {file}: expected {want}, found {got}")),
+            None => mismatches.push(format!("{case} {file}: expected {want}, found no such stream")),
+        }
+    }
+    for ((case, file), got) in &found {
+        if !expected.contains_key(&(case.clone(), file.clone())) {
+            mismatches.push(format!("{case} {file}: expected nothing pinned, found {got}"));
+        }
+    }
+    assert!(
+        mismatches.is_empty(),
+        "{} of {} pinned streams differ from {PINNED_HASHES}:\n  {}\n\
+         If the logs are meant to change, rerun with {REGENERATE_HASHES}=1, commit the table and say \
+         in the commit which facts changed and why.",
+        mismatches.len(),
+        expected.len(),
+        mismatches.join("\n  ")
+    );
+}

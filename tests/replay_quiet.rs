@@ -1,4 +1,4 @@
-//! Coalescing quiet steps (see `engine::QuietRun`) is invisible in what a replay writes: over
+//! Coalescing quiet steps (see `engine::quiet::QuietRun`) is invisible in what a replay writes: over
 //! random traces, cluster shapes and engine settings, a replay with it on writes the same bytes
 //! in every stream and folds the same report as one that queues every step boundary, and
 //! counts the same events.

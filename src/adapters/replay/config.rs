@@ -69,7 +69,7 @@ pub struct ReplayConfig {
     /// Faults to inject (see `faults`): empty for a fault-free run.
     pub faults: Vec<FaultSpec>,
     /// Apply runs of quiet decode steps in one go instead of one event each (see
-    /// `engine::QuietRun`). Logs and report are the same either way; off, the full Mooncake
+    /// `engine::quiet::QuietRun`). Logs and report are the same either way; off, the full Mooncake
     /// replay takes about 1.3x as long. A parity switch for tests, and a way to rule it out.
     pub coalesce_quiet_steps: bool,
     /// Planned changes of the cluster's shape, in non-decreasing `at_ms` order:

@@ -595,7 +595,7 @@ mod tests {
     }
 
     #[derive(Clone, Debug)]
-    enum Op {
+    enum Operation {
         Start { after_ns: u64, source: usize, shift: usize, bytes: u64 },
         Cancel { after_ns: u64, pick: usize },
         Advance { after_ns: u64 },
@@ -603,12 +603,12 @@ mod tests {
 
     const NICS: usize = 4;
 
-    fn op() -> impl Strategy<Value = Op> {
+    fn op() -> impl Strategy<Value = Operation> {
         prop_oneof![
             3 => (0u64..2_000, 0..NICS, 1..NICS, 0u64..50_000)
-                .prop_map(|(after_ns, source, shift, bytes)| Op::Start { after_ns, source, shift, bytes }),
-            1 => (0u64..2_000, any::<usize>()).prop_map(|(after_ns, pick)| Op::Cancel { after_ns, pick }),
-            2 => (0u64..5_000).prop_map(|after_ns| Op::Advance { after_ns }),
+                .prop_map(|(after_ns, source, shift, bytes)| Operation::Start { after_ns, source, shift, bytes }),
+            1 => (0u64..2_000, any::<usize>()).prop_map(|(after_ns, pick)| Operation::Cancel { after_ns, pick }),
+            2 => (0u64..5_000).prop_map(|after_ns| Operation::Advance { after_ns }),
         ]
     }
 
@@ -639,26 +639,26 @@ mod tests {
         next_event_after: Option<u64>,
     }
 
-    fn run(config: &ContentionConfig, ops: &[Op]) -> Run {
+    fn run(config: &ContentionConfig, ops: &[Operation]) -> Run {
         let mut m = ContentionModel::new(config, names(NICS), &link(1.0, 0)).unwrap();
         let (mut now_ns, mut batches, mut started, mut cancelled) =
             (0, vec![], BTreeMap::new(), BTreeSet::new());
         for op in ops {
             match *op {
-                Op::Start { after_ns, source, shift, bytes } => {
+                Operation::Start { after_ns, source, shift, bytes } => {
                     now_ns += after_ns;
                     let (key, destination) = (started.len() as u64, (source + shift) % NICS);
                     m.start(now_ns, key, source, destination, bytes).unwrap();
                     started.insert(key, (now_ns, source, destination, bytes));
                 }
-                Op::Cancel { after_ns, pick } => {
+                Operation::Cancel { after_ns, pick } => {
                     now_ns += after_ns;
                     let key = (pick % started.len().max(1)) as u64;
                     if m.cancel(now_ns, key) {
                         cancelled.insert(key);
                     }
                 }
-                Op::Advance { after_ns } => {
+                Operation::Advance { after_ns } => {
                     now_ns += after_ns;
                     batches.push((now_ns, m.advance(now_ns)));
                 }

@@ -10,7 +10,7 @@
 //! the fixed worker order matters only against another boundary or a timer due at the same
 //! nanosecond, and makes a boundary's place independent of when it was queued. That is what
 //! lets the replay skip queuing a quiet worker's step boundaries one by one (see
-//! `engine::QuietRun`): where a skipped boundary falls in this order is known without its
+//! `engine::quiet::QuietRun`): where a skipped boundary falls in this order is known without its
 //! insertion number.
 //!
 //! One binary heap would do, but most events are of two kinds that a heap serves badly:
@@ -148,7 +148,7 @@ impl<E> EventQueue<E> {
     }
 
     /// Takes back `lane`'s pending step boundary (a worker whose step ended where a command
-    /// lands, see `engine::QuietRun`). Returns false when the lane holds none.
+    /// lands, see `engine::quiet::QuietRun`). Returns false when the lane holds none.
     pub fn cancel_lane(&mut self, lane: usize) -> bool {
         match self.lane_at.get_mut(lane) {
             Some(t) if *t != EMPTY => {
@@ -264,7 +264,7 @@ mod tests {
     const STEP_STARTS: u64 = 1 << 63;
 
     #[derive(Clone, Debug)]
-    enum Op {
+    enum Operation {
         Push(u64),
         PushLane(usize, u64),
         MoveLane(usize, u64),
@@ -273,15 +273,15 @@ mod tests {
         Pop,
     }
 
-    fn op() -> impl Strategy<Value = Op> {
+    fn op() -> impl Strategy<Value = Operation> {
         prop_oneof![
-            (0u64..4).prop_map(Op::Push),
-            (0usize..3, 0u64..4).prop_map(|(l, d)| Op::PushLane(l, d)),
-            (0usize..3, 0u64..4).prop_map(|(l, d)| Op::MoveLane(l, d)),
-            (0usize..3, 0u64..2).prop_map(|(l, d)| Op::PushStart(l, d)),
-            (0usize..3).prop_map(Op::CancelLane),
-            Just(Op::Pop),
-            Just(Op::Pop),
+            (0u64..4).prop_map(Operation::Push),
+            (0usize..3, 0u64..4).prop_map(|(l, d)| Operation::PushLane(l, d)),
+            (0usize..3, 0u64..4).prop_map(|(l, d)| Operation::MoveLane(l, d)),
+            (0usize..3, 0u64..2).prop_map(|(l, d)| Operation::PushStart(l, d)),
+            (0usize..3).prop_map(Operation::CancelLane),
+            Just(Operation::Pop),
+            Just(Operation::Pop),
         ]
     }
 
@@ -314,12 +314,12 @@ mod tests {
             let (mut now, mut seq) = (0u64, 0u64);
             for o in ops {
                 match o {
-                    Op::Push(d) => {
+                    Operation::Push(d) => {
                         seq += 1;
                         q.push(now + d, AFTER_LANES | seq);
                         model.entries.push((now + d, AFTER_LANES | seq, false));
                     }
-                    Op::PushLane(l, d) => {
+                    Operation::PushLane(l, d) => {
                         let before = q.len();
                         let lanes_before = q.lanes_used;
                         q.push_lane(l, now + d, l as u64);
@@ -328,7 +328,7 @@ mod tests {
                         prop_assert_eq!(held, d > 0 && !model.entries.iter().any(|e| e.2 && e.1 == l as u64));
                         model.entries.push((now + d, l as u64, held));
                     }
-                    Op::MoveLane(l, d) => {
+                    Operation::MoveLane(l, d) => {
                         let held = model.entries.iter().position(|e| e.2 && e.1 == l as u64);
                         let moved = q.move_lane(l, now + d);
                         prop_assert_eq!(moved, held.is_some() && d > 0);
@@ -336,21 +336,21 @@ mod tests {
                             model.entries[held.unwrap()].0 = now + d;
                         }
                     }
-                    Op::PushStart(l, d) => {
+                    Operation::PushStart(l, d) => {
                         let pending = model.entries.iter().any(|e| e.1 == STEP_STARTS | l as u64);
                         prop_assert_eq!(q.push_start(l, now + d), !pending);
                         if !pending {
                             model.entries.push((now + d, STEP_STARTS | l as u64, false));
                         }
                     }
-                    Op::CancelLane(l) => {
+                    Operation::CancelLane(l) => {
                         let held = model.entries.iter().position(|e| e.2 && e.1 == l as u64);
                         prop_assert_eq!(q.cancel_lane(l), held.is_some());
                         if let Some(i) = held {
                             model.entries.remove(i);
                         }
                     }
-                    Op::Pop => {
+                    Operation::Pop => {
                         let got = q.pop_with_starts(|l| l as u64, |l| STEP_STARTS | l as u64);
                         prop_assert_eq!(got, model.pop());
                         if let Some((at, _)) = got {

@@ -42,7 +42,7 @@ struct SourceInfo {
 }
 
 #[derive(Clone, Debug)]
-struct DestInfo {
+struct DestinationInfo {
     handoff: HandoffId,
     reservation: DestinationReservationId,
     /// Headroom tokens booked; returned once at the request's terminal outcome.
@@ -50,7 +50,7 @@ struct DestInfo {
 }
 
 #[derive(Clone, Debug)]
-struct Req {
+struct RequestState {
     request: Request,
     /// Page hashes: the prompt's full pages, then decode pages (filled in on demand).
     hashes: Vec<BlockHash>,
@@ -73,7 +73,7 @@ struct Req {
     /// it, right after its previous token); cleared by its next token.
     stalled_since_ns: Option<u64>,
     source: Option<SourceInfo>,
-    dest: Option<DestInfo>,
+    dest: Option<DestinationInfo>,
 }
 
 #[derive(Clone, Debug)]
@@ -86,7 +86,7 @@ struct Pending {
 }
 
 #[derive(Clone, Copy, Debug)]
-enum DestEntry {
+enum DestinationEntry {
     Pending,
     Live(usize),
 }
@@ -122,7 +122,7 @@ pub struct SglangCore {
     cfg: SglangConfig,
     config_json: String,
     pool: KvPool,
-    reqs: Vec<Option<Req>>,
+    reqs: Vec<Option<RequestState>>,
     spare_keys: Vec<usize>,
     waiting: VecDeque<usize>,
     chunking: Option<usize>,
@@ -130,7 +130,7 @@ pub struct SglangCore {
     prebuilt: VecDeque<usize>,
     pending: VecDeque<Pending>,
     sources: BTreeMap<HandoffId, usize>,
-    dests: BTreeMap<HandoffId, DestEntry>,
+    dests: BTreeMap<HandoffId, DestinationEntry>,
     recent_sources: Recent,
     recent_dests: Recent,
     slots_used: u32,
@@ -217,11 +217,11 @@ impl SglangCore {
         self.pool.freed_epoch + self.own_epoch
     }
 
-    fn req(&self, key: usize) -> Option<&Req> {
+    fn req(&self, key: usize) -> Option<&RequestState> {
         self.reqs.get(key).and_then(|r| r.as_ref())
     }
 
-    fn insert_req(&mut self, r: Req) -> usize {
+    fn insert_req(&mut self, r: RequestState) -> usize {
         match self.spare_keys.pop() {
             Some(k) => {
                 self.reqs[k] = Some(r);
@@ -234,9 +234,9 @@ impl SglangCore {
         }
     }
 
-    fn new_req(&self, request: Request, target: u32) -> Req {
+    fn new_req(&self, request: Request, target: u32) -> RequestState {
         let hashes = request.prompt_block_hashes(self.page());
-        Req {
+        RequestState {
             // An empty prompt still feeds one token to sample from.
             fill: request.input_tokens.max(1),
             request,
@@ -256,7 +256,7 @@ impl SglangCore {
     }
 
     /// Makes sure `r.hashes` names the first `n` pages (decode pages get request-unique hashes).
-    fn ensure_hashes(r: &mut Req, n: usize) {
+    fn ensure_hashes(r: &mut RequestState, n: usize) {
         while r.hashes.len() < n {
             let i = r.hashes.len();
             let parent = r.hashes.last().copied().unwrap_or(ROOT_HASH);
@@ -317,7 +317,7 @@ impl SglangCore {
         )
     }
 
-    fn enqueue(&mut self, r: Req, eff: &mut Effects) -> bool {
+    fn enqueue(&mut self, r: RequestState, eff: &mut Effects) -> bool {
         if self.waiting.len() >= self.cfg.max_waiting_requests as usize {
             let request = r.request.id;
             eff.facts.push(Fact::RequestRejected { request, reason: RejectReason::NoCapacity });
@@ -453,12 +453,12 @@ impl SglangCore {
         self.pool.acc.headroom_tokens += reserved as i32;
         let reservation = DestinationReservationId(self.next_reservation);
         self.next_reservation += 1;
-        req.dest = Some(DestInfo { handoff: p.handoff, reservation, headroom: reserved as u32 });
+        req.dest = Some(DestinationInfo { handoff: p.handoff, reservation, headroom: reserved as u32 });
         req.phase = Phase::Reserved;
         let request = req.request.id;
         let key = self.insert_req(req);
         self.n_reserved += 1;
-        self.dests.insert(p.handoff, DestEntry::Live(key));
+        self.dests.insert(p.handoff, DestinationEntry::Live(key));
         let prefix_blocks = prefix.len() as u32;
         let (handoff, deadline_ns) = (p.handoff, p.deadline_ns);
         self.emit(eff, |kv| Fact::DestinationReserved {
@@ -921,7 +921,7 @@ impl EngineCore for SglangCore {
                     eff.facts.push(Fact::ReservationQueued { handoff });
                     eff.facts.push(Fact::ReservationRefused { handoff, reason });
                     self.pending.push_back(Pending { last_try: Some(self.epoch()), ..p });
-                    self.dests.insert(handoff, DestEntry::Pending);
+                    self.dests.insert(handoff, DestinationEntry::Pending);
                 }
             }
         } else {
@@ -931,7 +931,7 @@ impl EngineCore for SglangCore {
             // FIFO: nobody overtakes the head; this one is tried when it becomes the head.
             eff.facts.push(Fact::ReservationQueued { handoff });
             self.pending.push_back(p);
-            self.dests.insert(handoff, DestEntry::Pending);
+            self.dests.insert(handoff, DestinationEntry::Pending);
         }
         self.finish_command(Ok(CommandOutcome::Unavailable), eff)
     }
@@ -940,12 +940,12 @@ impl EngineCore for SglangCore {
         let eff = Effects::default();
         let key = match self.dests.get(&handoff) {
             None => return self.unknown_or_noop(handoff, self.recent_dests.contains(&handoff), eff),
-            Some(DestEntry::Pending) => {
+            Some(DestinationEntry::Pending) => {
                 let e =
                     CommandError::InvalidState { handoff, command: "activate_destination", state: "pending" };
                 return outcome_err(e, eff);
             }
-            Some(DestEntry::Live(k)) => *k,
+            Some(DestinationEntry::Live(k)) => *k,
         };
         let Some(r) = self.req(key) else {
             return outcome_err(CommandError::UnknownHandoff(handoff), eff);
@@ -1015,14 +1015,14 @@ impl EngineCore for SglangCore {
         let mut eff = Effects::default();
         let key = match self.dests.get(&handoff) {
             None => return self.unknown_or_noop(handoff, self.recent_dests.contains(&handoff), eff),
-            Some(DestEntry::Pending) => {
+            Some(DestinationEntry::Pending) => {
                 self.pending.retain(|p| p.handoff != handoff);
                 self.dests.remove(&handoff);
                 self.recent_dests.add(handoff);
                 eff.facts.push(Fact::ReservationDequeued { handoff, reason });
                 return self.finish_command(Ok(CommandOutcome::Applied), eff);
             }
-            Some(DestEntry::Live(k)) => *k,
+            Some(DestinationEntry::Live(k)) => *k,
         };
         match self.req(key).map(|r| r.phase) {
             Some(Phase::Reserved) => {

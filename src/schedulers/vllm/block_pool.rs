@@ -38,9 +38,9 @@ use std::collections::VecDeque;
 /// xorshift finalizer spreads sequential ids as well. Deterministic (no random state), and only
 /// used for lookups that are never iterated into output.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct IntHasher(u64);
+pub struct IntegerHasher(u64);
 
-impl std::hash::Hasher for IntHasher {
+impl std::hash::Hasher for IntegerHasher {
     fn finish(&self) -> u64 {
         let z = self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15);
         z ^ (z >> 29)
@@ -55,8 +55,8 @@ impl std::hash::Hasher for IntHasher {
     }
 }
 
-/// `BuildHasher` for [`IntHasher`].
-pub type IntBuild = std::hash::BuildHasherDefault<IntHasher>;
+/// `BuildHasher` for [`IntegerHasher`].
+pub type BuildIntegerHasher = std::hash::BuildHasherDefault<IntegerHasher>;
 
 /// Asks the CPU to start loading `x`'s cache line. A replay's pool operations touch blocks and
 /// buckets spread over megabytes, in an order known a few steps ahead (the LRU list, a request's

@@ -55,7 +55,7 @@
 //! requests, duplicate-hash adoption), `KvStored` for newly full blocks, then per request
 //! `FirstTokenEmitted`, `SourcePinned` or `RequestFinished`, then any reservation retry.
 
-use super::block_pool::{BlockId, BlockPool, IntBuild, Owner};
+use super::block_pool::{BlockId, BlockPool, BuildIntegerHasher, Owner};
 use super::config::{ConfigError, VllmConfig};
 use crate::events::{BlockHash, EngineShape, Fact, KvDelta, RejectReason, TerminalStatus};
 use crate::ids::{
@@ -70,7 +70,7 @@ use crate::schedulers::{
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum SeqKind {
+enum SequenceKind {
     Plain,
     /// Disabled policy's decode: the prompt's KV arrives with the request (see
     /// `EngineCore::submit_prefilled`); allocated and published at admission.
@@ -79,7 +79,7 @@ enum SeqKind {
         handoff: HandoffId,
         lease_ns: u64,
     },
-    Dest {
+    Destination {
         handoff: HandoffId,
     },
 }
@@ -89,7 +89,7 @@ enum SeqKind {
 /// requests' state evicted by the others' work.
 #[derive(Clone, Debug)]
 #[repr(C)]
-struct Seq {
+struct Sequence {
     computed: u32,
     generated: u32,
     /// `req.input_tokens.max(1)` and `req.output_tokens.max(1)`, kept beside the counters.
@@ -98,7 +98,7 @@ struct Seq {
     /// `blocks[..hashed]` carry their hash in the pool.
     hashed: usize,
     blocks: Vec<BlockId>,
-    kind: SeqKind,
+    kind: SequenceKind,
     /// Hashes of full blocks known so far (prompt blocks, then decode blocks as they fill).
     hashes: Vec<BlockHash>,
     req: Request,
@@ -107,9 +107,9 @@ struct Seq {
     stalled_since_ns: Option<u64>,
 }
 
-impl Seq {
-    fn new(req: Request, hashes: Vec<BlockHash>, blocks: Vec<BlockId>, kind: SeqKind) -> Self {
-        Seq {
+impl Sequence {
+    fn new(req: Request, hashes: Vec<BlockHash>, blocks: Vec<BlockId>, kind: SequenceKind) -> Self {
+        Sequence {
             computed: 0,
             generated: 0,
             prompt: req.input_tokens.max(1),
@@ -148,7 +148,7 @@ impl Seq {
 }
 
 #[derive(Clone, Debug)]
-enum Src {
+enum SourceEntry {
     /// Queued or computing: an ordinary request in waiting/running.
     Live(RequestId),
     Pinned {
@@ -158,7 +158,7 @@ enum Src {
 }
 
 #[derive(Clone, Debug)]
-enum Dst {
+enum DestinationEntry {
     Pending {
         request: Request,
         deadline_ns: u64,
@@ -186,7 +186,7 @@ pub struct VllmCore {
     running: Vec<RequestId>,
     waiting: VecDeque<RequestId>,
     /// Requests in waiting or running, by id (lookup only).
-    seqs: HashMap<RequestId, Seq, IntBuild>,
+    seqs: HashMap<RequestId, Sequence, BuildIntegerHasher>,
     pending: VecDeque<HandoffId>,
     /// Emptied effects handed back by the adapter, reused by the next step.
     spare: Option<Effects>,
@@ -202,10 +202,10 @@ pub struct VllmCore {
     backend: Backend,
     shape: EngineShape,
     /// Request ids this core holds in any form (seqs, pending or reserved destinations).
-    live: HashSet<RequestId, IntBuild>,
-    sources: BTreeMap<HandoffId, Src>,
+    live: HashSet<RequestId, BuildIntegerHasher>,
+    sources: BTreeMap<HandoffId, SourceEntry>,
     pinned: u64,
-    dests: BTreeMap<HandoffId, Dst>,
+    dests: BTreeMap<HandoffId, DestinationEntry>,
     reserved: u64,
     next_lease: u64,
     next_reservation: u64,
@@ -433,11 +433,11 @@ impl VllmCore {
         fx.outputs.push(EngineOutput::Finished { request: id, status, output_tokens: s.generated });
         self.live.remove(&id);
         match s.kind {
-            SeqKind::Plain | SeqKind::Prefilled => {}
-            SeqKind::Source { handoff, .. } => {
+            SequenceKind::Plain | SequenceKind::Prefilled => {}
+            SequenceKind::Source { handoff, .. } => {
                 self.sources.remove(&handoff);
             }
-            SeqKind::Dest { handoff } => {
+            SequenceKind::Destination { handoff } => {
                 self.dests.remove(&handoff);
             }
         }
@@ -451,9 +451,9 @@ impl VllmCore {
         if s.generated > 0 && s.stalled_since_ns.is_none() {
             s.stalled_since_ns = Some(at_ns);
         }
-        if s.kind == SeqKind::Prefilled {
+        if s.kind == SequenceKind::Prefilled {
             // Its transferred KV is gone: it recomputes here, like any preempted request.
-            s.kind = SeqKind::Plain;
+            s.kind = SequenceKind::Plain;
         }
         if let Some(pos) = self.running.iter().rposition(|r| *r == id) {
             self.running.remove(pos);
@@ -515,7 +515,7 @@ impl VllmCore {
         let (matched, matched_cached) =
             if s.blocks.is_empty() { self.match_prefix(&s.hashes, limit) } else { (Vec::new(), 0) };
         let start = if s.blocks.is_empty() {
-            if s.kind == SeqKind::Prefilled {
+            if s.kind == SequenceKind::Prefilled {
                 // The transferred prompt is valid but its last token, which decode recomputes
                 // to produce the first output token (as after a remote-KV load).
                 target - 1
@@ -678,14 +678,17 @@ impl VllmCore {
         };
         fx.outputs.push(EngineOutput::DestinationReserved { handoff, reservation, summary });
         self.reserved += 1;
-        self.dests.insert(handoff, Dst::Reserved { reservation, request, blocks, prefix_blocks, hashes });
+        self.dests.insert(
+            handoff,
+            DestinationEntry::Reserved { reservation, request, blocks, prefix_blocks, hashes },
+        );
     }
 
     /// Retries the pending FIFO's head while capacity changed since its last attempt.
     fn retry_pending(&mut self, fx: &mut Effects) {
         while let Some(&h) = self.pending.front() {
             let (request, deadline_ns) = match self.dests.get(&h) {
-                Some(Dst::Pending { request, deadline_ns, tried_epoch }) => {
+                Some(DestinationEntry::Pending { request, deadline_ns, tried_epoch }) => {
                     if *tried_epoch == Some(self.pool.epoch()) {
                         return;
                     }
@@ -716,7 +719,7 @@ impl VllmCore {
                 }
                 None => {
                     let epoch = self.pool.epoch();
-                    if let Some(Dst::Pending { tried_epoch, .. }) = self.dests.get_mut(&h) {
+                    if let Some(DestinationEntry::Pending { tried_epoch, .. }) = self.dests.get_mut(&h) {
                         *tried_epoch = Some(epoch);
                     }
                     fx.facts.push(Fact::ReservationRefused { handoff: h, reason: RejectReason::NoCapacity });
@@ -738,10 +741,10 @@ impl VllmCore {
     fn enqueue(
         &mut self,
         req: Request,
-        kind: SeqKind,
+        kind: SequenceKind,
         fx: &mut Effects,
     ) -> Result<CommandOutcome, CommandError> {
-        let prefill_only = matches!(kind, SeqKind::Source { .. });
+        let prefill_only = matches!(kind, SequenceKind::Source { .. });
         let needed = self.peak_blocks(&req, prefill_only);
         if needed > self.pool.total() {
             fx.facts.push(Fact::RequestRejected { request: req.id, reason: RejectReason::NeverFits });
@@ -759,7 +762,7 @@ impl VllmCore {
         }
         let id = req.id;
         let hashes = self.prompt_hashes(&req);
-        self.seqs.insert(id, Seq::new(req, hashes, Vec::new(), kind));
+        self.seqs.insert(id, Sequence::new(req, hashes, Vec::new(), kind));
         self.live.insert(id);
         self.waiting.push_back(id);
         fx.facts.push(Fact::RequestQueued { request: id });
@@ -788,12 +791,12 @@ impl VllmCore {
             return Err("a request is neither waiting nor running".into());
         }
         for src in self.sources.values() {
-            if let Src::Pinned { blocks, .. } = src {
+            if let SourceEntry::Pinned { blocks, .. } = src {
                 add(blocks, Owner::Pinned)?;
             }
         }
         for d in self.dests.values() {
-            if let Dst::Reserved { blocks, .. } = d {
+            if let DestinationEntry::Reserved { blocks, .. } = d {
                 add(blocks, Owner::Reserved)?;
             }
         }
@@ -824,8 +827,9 @@ impl VllmCore {
         if p != snap {
             return Err(format!("pool recount {p:?} != owner recount {snap:?}"));
         }
-        let pinned = self.sources.values().filter(|s| matches!(s, Src::Pinned { .. })).count() as u64;
-        let reserved = self.dests.values().filter(|d| matches!(d, Dst::Reserved { .. })).count() as u64;
+        let pinned = self.sources.values().filter(|s| matches!(s, SourceEntry::Pinned { .. })).count() as u64;
+        let reserved =
+            self.dests.values().filter(|d| matches!(d, DestinationEntry::Reserved { .. })).count() as u64;
         if pinned != self.pinned || reserved != self.reserved {
             return Err("pin/reservation counters drifted".into());
         }
@@ -853,7 +857,7 @@ impl EngineCore for VllmCore {
             };
             return self.finish_command(Err(e), fx);
         }
-        let outcome = self.enqueue(request, SeqKind::Plain, &mut fx);
+        let outcome = self.enqueue(request, SequenceKind::Plain, &mut fx);
         self.finish_command(outcome, fx)
     }
 
@@ -867,7 +871,7 @@ impl EngineCore for VllmCore {
             };
             return self.finish_command(Err(e), fx);
         }
-        let outcome = self.enqueue(request, SeqKind::Prefilled, &mut fx);
+        let outcome = self.enqueue(request, SequenceKind::Prefilled, &mut fx);
         self.finish_command(outcome, fx)
     }
 
@@ -891,9 +895,9 @@ impl EngineCore for VllmCore {
             return self.finish_command(Err(e), fx);
         }
         let id = request.id;
-        let outcome = self.enqueue(request, SeqKind::Source { handoff, lease_ns }, &mut fx);
+        let outcome = self.enqueue(request, SequenceKind::Source { handoff, lease_ns }, &mut fx);
         if outcome == Ok(CommandOutcome::Applied) {
-            self.sources.insert(handoff, Src::Live(id));
+            self.sources.insert(handoff, SourceEntry::Live(id));
         }
         self.finish_command(outcome, fx)
     }
@@ -942,7 +946,7 @@ impl EngineCore for VllmCore {
                 return self.finish_command(Ok(CommandOutcome::Applied), fx);
             }
             self.live.insert(request.id);
-            self.dests.insert(handoff, Dst::Pending { request, deadline_ns, tried_epoch: None });
+            self.dests.insert(handoff, DestinationEntry::Pending { request, deadline_ns, tried_epoch: None });
             self.pending.push_back(handoff);
             fx.facts.push(Fact::ReservationQueued { handoff });
             return self.finish_command(Ok(CommandOutcome::Unavailable), fx);
@@ -956,7 +960,10 @@ impl EngineCore for VllmCore {
             None => {
                 self.live.insert(request.id);
                 let epoch = self.pool.epoch();
-                self.dests.insert(handoff, Dst::Pending { request, deadline_ns, tried_epoch: Some(epoch) });
+                self.dests.insert(
+                    handoff,
+                    DestinationEntry::Pending { request, deadline_ns, tried_epoch: Some(epoch) },
+                );
                 self.pending.push_back(handoff);
                 fx.facts.push(Fact::ReservationQueued { handoff });
                 fx.facts.push(Fact::ReservationRefused { handoff, reason: RejectReason::NoCapacity });
@@ -969,14 +976,14 @@ impl EngineCore for VllmCore {
         let mut fx = Effects::default();
         match self.dests.get(&handoff) {
             None => return self.finish_command(Err(CommandError::UnknownHandoff(handoff)), fx),
-            Some(Dst::Pending { .. }) => {
+            Some(DestinationEntry::Pending { .. }) => {
                 let e = CommandError::InvalidState { handoff, command: "activate", state: "pending" };
                 return self.finish_command(Err(e), fx);
             }
-            Some(Dst::Activated(_)) => return self.finish_command(Ok(CommandOutcome::NoOp), fx),
-            Some(Dst::Reserved { .. }) => {}
+            Some(DestinationEntry::Activated(_)) => return self.finish_command(Ok(CommandOutcome::NoOp), fx),
+            Some(DestinationEntry::Reserved { .. }) => {}
         }
-        let Some(Dst::Reserved { reservation, request, blocks, prefix_blocks, hashes }) =
+        let Some(DestinationEntry::Reserved { reservation, request, blocks, prefix_blocks, hashes }) =
             self.dests.remove(&handoff)
         else {
             return self.finish_command(Err(CommandError::UnknownHandoff(handoff)), fx);
@@ -991,13 +998,13 @@ impl EngineCore for VllmCore {
         let prefix_hashed = prefix_blocks as usize;
         self.seqs.insert(
             id,
-            Seq {
+            Sequence {
                 hashed: prefix_hashed,
                 // Like vLLM's decode after a remote load: every prompt token but the last is
                 // valid; the first step recomputes the last one into its existing slot and
                 // produces the first output token here (TTFT is observed on the decode worker).
                 computed: prompt - 1,
-                ..Seq::new(request, hashes, blocks, SeqKind::Dest { handoff })
+                ..Sequence::new(request, hashes, blocks, SequenceKind::Destination { handoff })
             },
         );
         // Every transferred prompt block is valid now (the last token's recompute rewrites a
@@ -1014,7 +1021,7 @@ impl EngineCore for VllmCore {
         fx.facts.push(Fact::DestinationActivated { handoff, reservation, kv });
         Self::push_stored(&mut fx, runs);
         self.waiting.push_back(id);
-        self.dests.insert(handoff, Dst::Activated(id));
+        self.dests.insert(handoff, DestinationEntry::Activated(id));
         let done = self.seqs.get(&id).map(|s| s.generated >= s.max_output()).unwrap_or(false);
         if done {
             // The prefill's first token was the only one asked for.
@@ -1027,13 +1034,13 @@ impl EngineCore for VllmCore {
         let mut fx = Effects::default();
         match self.sources.get(&handoff) {
             None => return self.finish_command(Ok(CommandOutcome::NoOp), fx),
-            Some(Src::Live(_)) => {
+            Some(SourceEntry::Live(_)) => {
                 let e = CommandError::InvalidState { handoff, command: "release_source", state: "computing" };
                 return self.finish_command(Err(e), fx);
             }
-            Some(Src::Pinned { .. }) => {}
+            Some(SourceEntry::Pinned { .. }) => {}
         }
-        if let Some(Src::Pinned { lease, blocks }) = self.sources.remove(&handoff) {
+        if let Some(SourceEntry::Pinned { lease, blocks }) = self.sources.remove(&handoff) {
             self.release_all(&blocks, Owner::Pinned);
             self.pinned -= 1;
             let kv = self.pool.take_delta();
@@ -1046,13 +1053,13 @@ impl EngineCore for VllmCore {
         let mut fx = Effects::default();
         match self.sources.get(&handoff).cloned() {
             None => self.finish_command(Ok(CommandOutcome::NoOp), fx),
-            Some(Src::Live(id)) => {
+            Some(SourceEntry::Live(id)) => {
                 // Queued: dropped; computing: aborted. Either way its blocks return at once.
                 self.end_request(id, TerminalStatus::Canceled, &mut fx);
                 self.sources.remove(&handoff);
                 self.finish_command(Ok(CommandOutcome::Applied), fx)
             }
-            Some(Src::Pinned { lease, blocks }) => {
+            Some(SourceEntry::Pinned { lease, blocks }) => {
                 self.sources.remove(&handoff);
                 self.release_all(&blocks, Owner::Pinned);
                 self.pinned -= 1;
@@ -1072,7 +1079,7 @@ impl EngineCore for VllmCore {
         let mut fx = Effects::default();
         match self.dests.remove(&handoff) {
             None => self.finish_command(Ok(CommandOutcome::NoOp), fx),
-            Some(Dst::Pending { request, .. }) => {
+            Some(DestinationEntry::Pending { request, .. }) => {
                 if let Some(pos) = self.pending.iter().position(|h| *h == handoff) {
                     self.pending.remove(pos);
                 }
@@ -1080,7 +1087,7 @@ impl EngineCore for VllmCore {
                 fx.facts.push(Fact::ReservationDequeued { handoff, reason });
                 self.finish_command(Ok(CommandOutcome::Applied), fx)
             }
-            Some(Dst::Reserved { reservation, request, blocks, .. }) => {
+            Some(DestinationEntry::Reserved { reservation, request, blocks, .. }) => {
                 self.release_all(&blocks, Owner::Reserved);
                 self.reserved -= 1;
                 self.live.remove(&request.id);
@@ -1093,7 +1100,7 @@ impl EngineCore for VllmCore {
                 });
                 self.finish_command(Ok(CommandOutcome::Applied), fx)
             }
-            Some(Dst::Activated(id)) => {
+            Some(DestinationEntry::Activated(id)) => {
                 self.end_request(id, TerminalStatus::Canceled, &mut fx);
                 self.finish_command(Ok(CommandOutcome::Applied), fx)
             }
@@ -1136,7 +1143,7 @@ impl EngineCore for VllmCore {
                 let mut flags = ADVANCED;
                 if s.generated == 1
                     || s.generated >= s.max_output()
-                    || matches!(s.kind, SeqKind::Source { .. })
+                    || matches!(s.kind, SequenceKind::Source { .. })
                 {
                     flags |= PRODUCES;
                 }
@@ -1219,10 +1226,11 @@ impl EngineCore for VllmCore {
                 let target = s.target();
                 // An activated destination's one-token recompute costs a decode step, not a
                 // prefill (its KV arrived by transfer).
-                let remote_tail = matches!(s.kind, SeqKind::Dest { .. } | SeqKind::Prefilled)
-                    && s.generated == 0
-                    && tokens == 1
-                    && s.computed + 1 == s.prompt();
+                let remote_tail =
+                    matches!(s.kind, SequenceKind::Destination { .. } | SequenceKind::Prefilled)
+                        && s.generated == 0
+                        && tokens == 1
+                        && s.computed + 1 == s.prompt();
                 s.computed = s.computed.saturating_add(tokens as u32);
                 if remote_tail {
                     decode_tokens += tokens;
@@ -1241,7 +1249,7 @@ impl EngineCore for VllmCore {
                 // a decode token in the middle of a request needs nothing there.
                 if s.generated == 1
                     || s.generated >= s.max_output()
-                    || matches!(s.kind, SeqKind::Source { .. })
+                    || matches!(s.kind, SequenceKind::Source { .. })
                 {
                     produced.push(id);
                 }
@@ -1304,7 +1312,7 @@ impl EngineCore for VllmCore {
                 }
             }
             match kind {
-                SeqKind::Source { handoff, lease_ns } => {
+                SequenceKind::Source { handoff, lease_ns } => {
                     // Terminal prefill → held-prefill ownership, one transition, no completion.
                     let Some(s) = self.seqs.remove(&id) else { continue };
                     let r = self.pool.rekind_all(&s.blocks, Owner::Active, Owner::Pinned);
@@ -1331,7 +1339,7 @@ impl EngineCore for VllmCore {
                         blocks,
                         deadline_ns,
                     });
-                    self.sources.insert(handoff, Src::Pinned { lease, blocks: s.blocks });
+                    self.sources.insert(handoff, SourceEntry::Pinned { lease, blocks: s.blocks });
                     self.pinned += 1;
                 }
                 _ if done => {
@@ -1391,7 +1399,8 @@ impl EngineCore for VllmCore {
             // `retry_pending` does nothing while the head was tried at this capacity epoch
             // (quiet steps never change it).
             match self.dests.get(h) {
-                Some(Dst::Pending { tried_epoch, .. }) if *tried_epoch == Some(self.pool.epoch()) => {}
+                Some(DestinationEntry::Pending { tried_epoch, .. })
+                    if *tried_epoch == Some(self.pool.epoch()) => {}
                 _ => return None,
             }
         }
@@ -1406,7 +1415,7 @@ impl EngineCore for VllmCore {
         let mut steps = u64::MAX;
         for id in &self.running {
             let s = self.seqs.get(id)?;
-            if s.is_prefilling() || s.generated == 0 || matches!(s.kind, SeqKind::Source { .. }) {
+            if s.is_prefilling() || s.generated == 0 || matches!(s.kind, SequenceKind::Source { .. }) {
                 return None;
             }
             let (computed, generated) = (s.computed as u64, s.generated as u64);

@@ -1,0 +1,157 @@
+//! Liveness: what counts as progress, the no-progress guard, the preemption livelock watch,
+//! and the end-of-run diagnosis of what is stuck where.
+
+use super::worker::Membership;
+use super::Replay;
+use crate::events::Fact;
+use crate::ids::RequestId;
+
+/// A request preempted again and again, with no request on its worker finishing, pinning its
+/// prefill or getting its first token in between.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct PreemptionStreak {
+    request: RequestId,
+    since_ns: u64,
+    count: u64,
+}
+
+/// Preemptions in one streak before the streak can mean a livelock (with the time limit in
+/// [`Replay::note_preemption`]).
+const LIVELOCK_PREEMPTIONS: u64 = 1000;
+
+impl Replay<'_> {
+    /// Whether a fact shows the run moving. Lease renewals, their messages and refused
+    /// reservation retries can repeat forever without anything changing, so they do not count.
+    pub(super) fn is_progress(fact: &Fact) -> bool {
+        use crate::events::MessageKind::LeaseRenewal;
+        !matches!(
+            fact,
+            Fact::LeaseRenewed { .. }
+                | Fact::ReservationRefused { .. }
+                | Fact::MessageSent { kind: LeaseRenewal, .. }
+                | Fact::MessageReceived { kind: LeaseRenewal, .. }
+                | Fact::MessageRejected { kind: LeaseRenewal, .. }
+        )
+    }
+
+    /// Virtual time has passed the progress limit since anything moved: with requests in flight
+    /// and no worker computing, nothing but timers that change nothing is left, so the run
+    /// stops and names what keeps it alive.
+    pub(super) fn check_progress(&mut self) {
+        if self.guards.is_empty() || self.slots.iter().any(|s| s.busy) || self.livelock.is_some() {
+            self.last_progress_ns = self.now_ns;
+            return;
+        }
+        let waiting: Vec<String> = self
+            .slots
+            .iter()
+            .flat_map(|s| s.destinations.iter().map(move |(h, m)| (s.id, *h, m.state_name())))
+            .take(5)
+            .map(|(w, h, state)| format!("{h} (destination on {w}, {state})"))
+            .collect();
+        self.livelock = Some(format!(
+            "no progress for {:.1} s of virtual time with {} requests in flight and every worker idle: only lease renewals and refused retries happen; waiting handoffs: {}",
+            self.now_ns.saturating_sub(self.last_progress_ns) as f64 / 1e9,
+            self.guards.len(),
+            if waiting.is_empty() { "none".to_string() } else { waiting.join(", ") }
+        ));
+    }
+
+    /// Watches for a livelock the cores cannot see: a request that gets blocks for a chunk,
+    /// then needs more than the worker can give while other requests hold their KV waiting
+    /// behind it, is preempted, readmitted first, and so on forever, with virtual time
+    /// advancing (so the zero-length-step guard never fires). Once one request has been
+    /// preempted `LIVELOCK_PREEMPTIONS` times with no request on its worker finishing, pinning
+    /// its prefill or getting its first token, for longer than every lifecycle timeout (so no
+    /// lease, reservation or bootstrap expiry can still free anything), the run stops and
+    /// reports it as stuck.
+    pub(super) fn note_preemption(&mut self, slot: usize, request: RequestId, at_ns: u64) {
+        // The same bound as the no-progress guard's: longer than every lifecycle timeout.
+        let limit_ns = self.progress_limit_ns;
+        let sl = &mut self.slots[slot];
+        let s = match &mut sl.preemptions {
+            Some(s) if s.request == request => s,
+            streak => {
+                *streak = Some(PreemptionStreak { request, since_ns: at_ns, count: 1 });
+                return;
+            }
+        };
+        s.count += 1;
+        let (count, lasted_ns) = (s.count, at_ns.saturating_sub(s.since_ns));
+        if count >= LIVELOCK_PREEMPTIONS && lasted_ns > limit_ns {
+            let c = sl.core.snapshot();
+            let v = sl.core.view();
+            self.livelock = Some(format!(
+                "{} livelocked: {request} was preempted {count} times over {:.1} s with no request on the worker making progress; it cannot get the KV it needs while others hold theirs ({} waiting, {} running, {} waiting for remote KV; KV {} active / {} pinned / {} reserved of {} blocks)",
+                sl.id,
+                lasted_ns as f64 / 1e9,
+                v.waiting,
+                v.running,
+                v.waiting_for_remote_kv,
+                c.active_blocks,
+                c.pinned_source_blocks,
+                c.reserved_destination_blocks,
+                c.total_blocks
+            ));
+        }
+    }
+
+    pub(super) fn diagnose(&self) -> Vec<String> {
+        let mut out: Vec<String> = self.livelock.iter().cloned().collect();
+        for slot in &self.slots {
+            for (h, m) in &slot.sources {
+                out.push(format!(
+                    "handoff {h} ({}) source on {} stuck in {}: {}",
+                    self.handoff_request.get(h).map(|r| r.to_string()).unwrap_or_default(),
+                    slot.id,
+                    m.state_name(),
+                    match m.state_name() {
+                        "NotStarted" => "waiting for the destination's reservation",
+                        "Computing" => "waiting for the prefill to run",
+                        "Pinned" => "pinned, waiting for a destination reservation",
+                        "AwaitingReaderCompletion" => "pinned, waiting for reader completion",
+                        _ => "waiting",
+                    }
+                ));
+            }
+            for (h, m) in &slot.destinations {
+                out.push(format!(
+                    "handoff {h} ({}) destination on {} stuck in {}: {}",
+                    self.handoff_request.get(h).map(|r| r.to_string()).unwrap_or_default(),
+                    slot.id,
+                    m.state_name(),
+                    match m.state_name() {
+                        "Reserving" => "waiting in the reservation FIFO for capacity",
+                        "Reserved" => "reserved, waiting for the source's KV",
+                        "Receiving" => "waiting for the transfer to complete",
+                        "Active" => "decoding",
+                        _ => "waiting",
+                    }
+                ));
+            }
+            if slot.membership == Membership::Leaving {
+                out.push(format!("{} was taken out of routing and never drained", slot.id));
+            }
+            if !slot.core.is_drained() {
+                let v = slot.core.view();
+                let c = slot.core.snapshot();
+                out.push(format!(
+                    "{} not drained: {} waiting, {} running, {} waiting for remote KV, {} held prefills, {} pending reservations; KV {} active / {} pinned / {} reserved of {} blocks",
+                    slot.id, v.waiting, v.running, v.waiting_for_remote_kv, v.held_prefills, v.pending_reservations,
+                    c.active_blocks, c.pinned_source_blocks, c.reserved_destination_blocks, c.total_blocks
+                ));
+            }
+        }
+        for (r, g) in &self.guards {
+            let name =
+                |slot: Option<usize>| slot.map_or("none".to_string(), |s| self.slots[s].id.to_string());
+            out.push(format!(
+                "{r} never reached a terminal outcome (prefill {}, decode {}, handoff {})",
+                name(g.prefill),
+                name(g.decode),
+                g.handoff.map_or("none".to_string(), |h| h.to_string())
+            ));
+        }
+        out
+    }
+}

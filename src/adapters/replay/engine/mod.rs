@@ -1,0 +1,463 @@
+//! The offline replay: a discrete-event loop on a virtual clock that composes per-worker engine
+//! cores, the role-local handoff state machines, the routers and an in-process transport, and
+//! writes every worker's facts to its own stream.
+//!
+//! ## Determinism
+//! Events are ordered by `(time, insertion sequence)`. Every id and every random choice comes
+//! from the run's seed. Maps whose order is observed are `BTreeMap`s. Same trace + config + seed
+//! ⇒ byte-identical logs.
+//!
+//! ## Shape of the loop
+//! * A worker runs one step at a time. A step's facts are observed when it completes; commands
+//!   that reach a busy worker wait in its inbox and are applied between steps, as a real engine
+//!   loop applies control messages between iterations.
+//! * Cross-worker effects (messages, commands the frontend issues, transfer completions,
+//!   timers) are events, never nested calls, so no handler re-enters another.
+//! * The frontend keeps each request's guard (its workers, its handoff, whether it ended): the
+//!   router's request guard, which frees bookings exactly once at the terminal outcome. Handoff
+//!   state itself lives only in the role machines on each worker.
+//! * The cluster may change shape mid-run (`scaling`): a joining worker gets the next slot, a
+//!   lane and a stream of its own; a leaving one is out of routing at once and is looked at
+//!   after every event until it holds nothing, then writes `WorkerLeft`. Without a plan or a
+//!   planner none of this runs.
+//! * The run ends when no event is left. Every worker must then be drained; if one is not, the
+//!   replay says which handoffs are stuck, where, and on what they wait.
+//!
+//! ## Modules
+//! `Replay` is still one struct; its methods are grouped by the part they play (issue #10
+//! separates these into nodes):
+//! * the frontend (`frontend`): arrivals, routing and bookings, request guards, the bootstrap
+//!   timer, terminal outcomes and cancel-on-terminal;
+//! * the per-worker runtime (`worker`, `roles`): steps, the inbox rule, commands into the core
+//!   and its outputs back out, and the role machines whose actions become commands, messages
+//!   and timers;
+//! * the simulator (`simulator`, `quiet`, `cluster`, `fault_injection`, `liveness`): the virtual
+//!   clock and event dispatch, transfers, quiet runs, the cluster's shape, faults, and the
+//!   guards that stop a run that cannot finish; the writer thread is `replay::sink`.
+//!
+//! This file builds a replay and holds what it hands back.
+
+use crate::adapters::replay::config::{ConfigError, ReplayConfig};
+use crate::adapters::replay::contention::ContentionModel;
+use crate::adapters::replay::faults::{FaultReport, FaultState};
+use crate::adapters::replay::identity::{self, TraceIdentity};
+use crate::adapters::replay::queue::EventQueue;
+use crate::adapters::replay::scaling::{Planner, ScalingDecision};
+use crate::adapters::replay::sink::FactSink;
+use crate::adapters::replay::trace::{TraceError, TraceReader};
+use crate::adapters::replay::transfer::TransferConfig;
+use crate::adapters::replay::workload::{Workload, WorkloadStats};
+use crate::events::{EngineShape, Fact, LogError, RunWriter, StreamHeader};
+use crate::ids::{
+    Backend, ClockDomain, Generation, HandoffId, HandoffPolicy, IdMint, RequestId, Role, WorkerId,
+};
+use crate::projections::compare::RunDescription;
+use crate::projections::metrics::{MetricsFold, MetricsReport, PerRequestSink, Slo};
+use crate::router::Router;
+use crate::schedulers::sglang::SglangCore;
+use crate::schedulers::vllm::VllmCore;
+use crate::schedulers::{Effects, EngineCore};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+mod cluster;
+mod fault_injection;
+mod frontend;
+mod liveness;
+mod quiet;
+mod roles;
+mod simulator;
+mod worker;
+
+use frontend::Guard;
+use quiet::QuietRuns;
+use simulator::Event;
+use worker::Slot;
+
+use crate::units::NS_PER_MS;
+
+/// Why a replay could not run or finish.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    #[error(transparent)]
+    Log(#[from] LogError),
+    #[error("{0}")]
+    Engine(String),
+}
+
+/// What a finished replay hands back.
+pub struct ReplayOutcome {
+    pub report: MetricsReport,
+    pub run_id: uuid::Uuid,
+    pub backend: Backend,
+    /// The policy in force.
+    pub policy: HandoffPolicy,
+    pub seed: u64,
+    /// What was run, as the router stream's header records it.
+    pub description: RunDescription,
+    /// Lines of the trace read (blank lines counted): all of them unless the run stopped early.
+    pub trace_lines_read: u64,
+    /// Every worker drained at the end.
+    pub drained: bool,
+    /// When not drained: one line per stuck handoff or request, saying where and on what.
+    pub stuck: Vec<String>,
+    pub events: u64,
+    /// Of `events`, step boundaries that a quiet run applied without queuing them (see
+    /// `QuietRun`): they are in the logs like any other step.
+    pub coalesced_steps: u64,
+    pub virtual_end_ns: u64,
+    /// One entry per planned fault, in plan order: when it fired and what it did, or that its
+    /// phase was never reached.
+    pub faults: Vec<FaultReport>,
+    /// Sessions, turns issued and dropped.
+    pub workload: WorkloadStats,
+    /// Every planned change and planner decision, in the order applied.
+    pub scaling: Vec<ScalingDecision>,
+}
+
+/// Progress callback: (requests arrived, virtual time ns).
+pub type Progress<'a> = &'a mut dyn FnMut(u64, u64);
+
+/// What a replay records besides its configuration (all optional).
+#[derive(Default)]
+pub struct ReplayOptions {
+    /// The trace file, for the run id and the router header (`None`: an in-memory trace).
+    pub trace: Option<TraceIdentity>,
+    /// Goodput objectives for the report (empty: no goodput).
+    pub slo: Slo,
+    /// Receives each request's record as it ends (`--per-request`).
+    pub per_request: Option<PerRequestSink>,
+}
+
+pub struct Replay<'a> {
+    cfg: ReplayConfig,
+    run_id: uuid::Uuid,
+    description: RunDescription,
+    policy: HandoffPolicy,
+    now_ns: u64,
+    events: u64,
+    queue: EventQueue<Event>,
+    /// Drained effect buffers, handed to the next core that steps (at most one per worker).
+    spare_effects: Vec<Effects>,
+    slots: Vec<Slot>,
+    prefill_router: Router,
+    decode_router: Option<Router>,
+    guards: BTreeMap<RequestId, Guard>,
+    handoff_request: BTreeMap<HandoffId, RequestId>,
+    /// Handoffs whose source pin the core has reported and not yet released.
+    pinned: std::collections::BTreeSet<HandoffId>,
+    /// Handoff prefills dispatched to the core and neither pinned nor ended there: like a pin,
+    /// they keep the prefill booking (and the frontend's correlation) until the core lets go.
+    computing: std::collections::BTreeSet<HandoffId>,
+    transfer: TransferConfig,
+    mint: IdMint,
+    /// The run's streams and the metrics fold, behind the writer thread.
+    sink: FactSink,
+    /// When each trace request arrives (open loop, sessions, closed loop).
+    workload: Workload,
+    /// The time of the `Arrival` event queued last, while it is pending.
+    arrival_armed_ns: Option<u64>,
+    /// Transfers sharing NICs (`None` unless contention is enabled), with each transfer's
+    /// destination and handoff by key, the key of each handoff's transfer, and the time of the
+    /// `TransferTick` queued last.
+    contention: Option<ContentionModel>,
+    transfers: BTreeMap<u64, (usize, HandoffId)>,
+    transfer_of: BTreeMap<HandoffId, u64>,
+    next_transfer_key: u64,
+    tick_armed_ns: Option<u64>,
+    arrivals: u64,
+    held_back: bool,
+    block_size: u32,
+    progress: Option<Progress<'a>>,
+    /// `events` at which the progress callback is next due.
+    next_progress: u64,
+    /// Fault injection (inert without a fault plan).
+    faults: FaultState,
+    /// Quiet runs in progress, by slot (see [`QuietRun`](quiet::QuietRun)).
+    quiet: QuietRuns,
+    /// Set when a worker is found livelocked: the run stops and says why.
+    livelock: Option<String>,
+    /// The last instant something moved (see [`Replay::is_progress`]), and how long virtual
+    /// time may pass after it, with requests in flight and every worker idle, before the run
+    /// counts as stuck.
+    last_progress_ns: u64,
+    progress_limit_ns: u64,
+    /// Each role's slots by worker index (aggregated workers are in `prefill_slots`): slots are
+    /// in join order, the starting workers first in worker order, then each joiner.
+    prefill_slots: Vec<usize>,
+    decode_slots: Vec<usize>,
+    /// Slots taken out of routing and not yet drained (empty unless a removal is under way: the
+    /// event loop only looks at them then).
+    leaving: Vec<usize>,
+    planner: Option<Planner>,
+    scaling: Vec<ScalingDecision>,
+}
+
+impl<'a> Replay<'a> {
+    /// Builds the cluster and opens the output streams in `out_dir`; the run id comes from the
+    /// configuration and seed alone (see [`Replay::with_options`] for one that knows its trace).
+    pub fn new(
+        cfg: ReplayConfig,
+        trace: TraceReader<Box<dyn std::io::BufRead>>,
+        out_dir: &Path,
+        per_request: Option<PerRequestSink>,
+    ) -> Result<Self, ReplayError> {
+        Self::with_options(cfg, trace, out_dir, ReplayOptions { per_request, ..ReplayOptions::default() })
+    }
+
+    /// [`Replay::new`] with what the run records about its trace and the goodput objectives.
+    pub fn with_options(
+        cfg: ReplayConfig,
+        trace: TraceReader<Box<dyn std::io::BufRead>>,
+        out_dir: &Path,
+        options: ReplayOptions,
+    ) -> Result<Self, ReplayError> {
+        cfg.validate()?;
+        let policy = cfg.effective_policy();
+        cfg.transfer.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        let workload = Workload::new(trace, cfg.load, cfg.max_buffered_requests)?;
+        let mut mint = IdMint::from_seed(cfg.seed);
+        // The run id used to be these two draws; they are still taken so that every later draw
+        // (router seeds, handoff ids) stays what it was. The run id now also depends on the
+        // trace and the configuration (identity.rs), so runs of seed 0 no longer share one.
+        let _ = (mint.next_u64(), mint.next_u64());
+        let run_id = identity::run_id(options.trace.as_ref(), &cfg);
+        let description = identity::describe(options.trace.as_ref(), &cfg);
+        let workers = starting_workers(&cfg);
+        let (slots, mut headers, block_size) = engine_slots(&workers, &cfg, run_id, policy)?;
+        let contention = contention_model(&cfg, &workers)?;
+        // The router has no engine: its header's free-text config says what was run (trace,
+        // shape, routers, config digest), which `compare` shows.
+        let router_shape = EngineShape { config_json: description.to_json(), ..EngineShape::none() };
+        headers.push(header(run_id, WorkerId::ROUTER, &cfg, policy, router_shape));
+        let mut metrics = MetricsFold::new().with_slo(options.slo);
+        if let Some(sink) = options.per_request {
+            metrics = metrics.with_sink(sink);
+        }
+        for h in &headers {
+            metrics.add_stream(h);
+        }
+        let out = RunWriter::create(out_dir, headers)?;
+        let sink = FactSink::start(out, metrics)
+            .map_err(|e| ReplayError::Engine(format!("starting the log writer thread: {e}")))?;
+        let (prefill_router, decode_router) = routers(&cfg, &workers, block_size, &mut mint)?;
+        let (prefill_slots, decode_slots) = role_slots(&workers);
+        let mut r = Replay {
+            policy,
+            now_ns: 0,
+            events: 0,
+            queue: EventQueue::new(workers.len()),
+            spare_effects: Vec::new(),
+            slots,
+            prefill_router,
+            decode_router,
+            guards: BTreeMap::new(),
+            handoff_request: BTreeMap::new(),
+            pinned: std::collections::BTreeSet::new(),
+            computing: std::collections::BTreeSet::new(),
+            transfer: cfg.transfer,
+            mint,
+            sink,
+            workload,
+            arrival_armed_ns: None,
+            contention,
+            transfers: BTreeMap::new(),
+            transfer_of: BTreeMap::new(),
+            next_transfer_key: 0,
+            tick_armed_ns: None,
+            arrivals: 0,
+            held_back: false,
+            block_size,
+            progress: None,
+            next_progress: 4096,
+            faults: FaultState::new(&cfg.faults),
+            // Fault phases are checked at every event boundary: keep them all.
+            quiet: QuietRuns::new(cfg.coalesce_quiet_steps && cfg.faults.is_empty(), workers.len()),
+            livelock: None,
+            last_progress_ns: 0,
+            progress_limit_ns: 0,
+            run_id,
+            description,
+            prefill_slots,
+            decode_slots,
+            leaving: Vec::new(),
+            planner: cfg.planner.map(Planner::new),
+            scaling: Vec::new(),
+            cfg,
+        };
+        r.start()?;
+        Ok(r)
+    }
+
+    /// Time 0: every starting stream (the router's too) opens its session, and the first
+    /// arrival, the planned changes and the planner's first tick are queued.
+    fn start(&mut self) -> Result<(), ReplayError> {
+        for s in 0..self.slots.len() {
+            let g = self.slots[s].generation;
+            self.emit(s, 0, Fact::SessionStarted { generation: g })?;
+        }
+        self.emit_router(0, Fact::SessionStarted { generation: Generation(1) })?;
+        // Longer than every lifecycle timeout: by then a deadline would have moved something.
+        self.progress_limit_ns = self
+            .cfg
+            .lease_ms
+            .max(self.cfg.reservation_timeout_ms)
+            .max(self.cfg.bootstrap_timeout_ms)
+            .saturating_add(1_000)
+            .saturating_mul(NS_PER_MS);
+        self.arm_arrival();
+        for i in 0..self.cfg.scale.len() {
+            let at = self.cfg.scale[i].at_ms.saturating_mul(NS_PER_MS);
+            self.push(at, Event::Scale(i));
+        }
+        if let Some(p) = &self.planner {
+            let at = p.interval_ns();
+            self.push(at, Event::PlannerTick);
+        }
+        Ok(())
+    }
+
+    pub fn with_progress(mut self, p: Progress<'a>) -> Self {
+        self.progress = Some(p);
+        self
+    }
+}
+
+/// The workers a run starts with, in slot order: prefill then decode, or the aggregated ones.
+fn starting_workers(cfg: &ReplayConfig) -> Vec<WorkerId> {
+    if cfg.is_disaggregated() {
+        let prefill = (0..cfg.prefill_workers).map(WorkerId::prefill);
+        prefill.chain((0..cfg.decode_workers).map(WorkerId::decode)).collect()
+    } else {
+        (0..cfg.workers).map(WorkerId::aggregated).collect()
+    }
+}
+
+/// A slot with its engine core for each worker, the workers' stream headers, and the one
+/// block size they must share.
+fn engine_slots(
+    workers: &[WorkerId],
+    cfg: &ReplayConfig,
+    run_id: uuid::Uuid,
+    policy: HandoffPolicy,
+) -> Result<(Vec<Slot>, Vec<StreamHeader>, u32), ReplayError> {
+    let mut slots = Vec::new();
+    let mut headers = Vec::new();
+    let mut block_size = 0;
+    for w in workers {
+        let core = make_core(*w, cfg)?;
+        let shape = core.shape();
+        if block_size != 0 && shape.block_size != block_size {
+            return Err(ConfigError::Invalid(format!(
+                "{w}: block size {} differs from other workers' {block_size}; KV-aware routing and transfers need one block size",
+                shape.block_size
+            ))
+            .into());
+        }
+        block_size = shape.block_size;
+        headers.push(header(run_id, *w, cfg, policy, shape));
+        slots.push(Slot::new(*w, core));
+    }
+    Ok((slots, headers, block_size))
+}
+
+/// The NICs transfers share, one per starting worker (`None` unless contention is on with a
+/// bandwidth transfer model).
+fn contention_model(
+    cfg: &ReplayConfig,
+    workers: &[WorkerId],
+) -> Result<Option<ContentionModel>, ReplayError> {
+    let (TransferConfig::Bandwidth(link), true) = (&cfg.transfer, cfg.contention.enabled) else {
+        return Ok(None);
+    };
+    let names: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
+    // NIC overrides may also name workers that join later.
+    let mut known = names.clone();
+    if !cfg.scale.is_empty() || cfg.planner.is_some() {
+        for i in 0..crate::adapters::replay::config::MAX_WORKERS {
+            known.push(WorkerId::prefill(i).to_string());
+            known.push(WorkerId::decode(i).to_string());
+        }
+    }
+    cfg.contention.validate(&known).map_err(|e| ConfigError::Invalid(format!("contention: {e}")))?;
+    let model = ContentionModel::new(&cfg.contention, names, link)
+        .map_err(|e| ConfigError::Invalid(format!("contention: {e}")))?;
+    Ok(Some(model))
+}
+
+/// The prefill router (every worker of an aggregated run) and the decode router, each seeded
+/// by the next draw of `mint`, prefill first.
+fn routers(
+    cfg: &ReplayConfig,
+    workers: &[WorkerId],
+    block_size: u32,
+    mint: &mut IdMint,
+) -> Result<(Router, Option<Router>), ReplayError> {
+    let (prefill_workers, decode_workers): (Vec<WorkerId>, Vec<WorkerId>) = if cfg.is_disaggregated() {
+        workers.iter().partition(|w| w.role == Role::Prefill)
+    } else {
+        (workers.to_vec(), Vec::new())
+    };
+    let route_err = |e: crate::router::RouterError| ConfigError::Invalid(format!("router: {e}"));
+    let prefill_router =
+        Router::new(prefill_workers, cfg.prefill_router.clone(), block_size, mint.next_u64())
+            .map_err(route_err)?;
+    let decode_router = if decode_workers.is_empty() {
+        None
+    } else {
+        Some(
+            Router::new(decode_workers, cfg.decode_router.clone(), block_size, mint.next_u64())
+                .map_err(route_err)?,
+        )
+    };
+    Ok((prefill_router, decode_router))
+}
+
+/// Each role's slots by worker index (aggregated workers count as prefill).
+fn role_slots(workers: &[WorkerId]) -> (Vec<usize>, Vec<usize>) {
+    let mut prefill_slots = Vec::new();
+    let mut decode_slots = Vec::new();
+    for (s, w) in workers.iter().enumerate() {
+        match w.role {
+            Role::Decode => decode_slots.push(s),
+            _ => prefill_slots.push(s),
+        }
+    }
+    (prefill_slots, decode_slots)
+}
+
+/// The engine core of worker `w`, as the configuration gives its role.
+fn make_core(w: WorkerId, cfg: &ReplayConfig) -> Result<Box<dyn EngineCore>, ReplayError> {
+    Ok(match cfg.backend {
+        Backend::Vllm | Backend::TrtLlm => Box::new(
+            VllmCore::new(w, cfg.backend, *cfg.vllm_for(w.role))
+                .map_err(|e| ConfigError::Invalid(format!("vllm: {e}")))?,
+        ),
+        Backend::Sglang => Box::new(
+            SglangCore::new(w, cfg.sglang_for(w.role).clone())
+                .map_err(|e| ConfigError::Invalid(format!("sglang: {e}")))?,
+        ),
+    })
+}
+
+fn header(
+    run_id: uuid::Uuid,
+    worker: WorkerId,
+    cfg: &ReplayConfig,
+    policy: HandoffPolicy,
+    engine: EngineShape,
+) -> StreamHeader {
+    StreamHeader {
+        run_id,
+        worker,
+        backend: cfg.backend,
+        policy,
+        clock: ClockDomain::Virtual,
+        seed: cfg.seed,
+        engine,
+    }
+}

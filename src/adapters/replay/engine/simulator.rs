@@ -1,0 +1,247 @@
+//! The simulator: the event queue on a virtual clock, the run loop and the dispatch of each
+//! event, the in-process address book (worker id → slot) and the transfer model (fixed
+//! bandwidth, or NICs shared under `contention`).
+
+use super::worker::Command;
+use super::{Replay, ReplayError, ReplayOutcome};
+use crate::adapters::replay::queue::EventQueue;
+use crate::events::Fact;
+use crate::ids::{HandoffId, RequestId, Role, WorkerId};
+use crate::lifecycle::destination::DestinationEvent;
+use crate::lifecycle::messages::HandoffMessage;
+use crate::lifecycle::source::SourceEvent;
+
+#[derive(Clone, Debug)]
+pub(super) enum Event {
+    Arrival,
+    StepDone(usize),
+    /// A free worker with work starts its next step: queued to run after everything else due
+    /// at its instant (see `queue`), so that requests arriving together share a step.
+    StepStart(usize),
+    /// A core command; `then` are events that must wait until it is applied (messages that
+    /// follow it in the same transition: "receive completed" only once activation is done).
+    Command {
+        slot: usize,
+        command: Command,
+        then: Vec<Event>,
+    },
+    Deliver {
+        slot: usize,
+        msg: HandoffMessage,
+    },
+    TransferDone {
+        slot: usize,
+        handoff: HandoffId,
+    },
+    /// The NIC contention model's next instant of interest (a transfer finishing or its latency
+    /// ending); stale ticks find nothing due.
+    TransferTick,
+    LeaseTimer {
+        slot: usize,
+        handoff: HandoffId,
+    },
+    ReservationTimer {
+        slot: usize,
+        handoff: HandoffId,
+    },
+    RenewTimer {
+        slot: usize,
+        handoff: HandoffId,
+    },
+    BootstrapTimer {
+        request: RequestId,
+    },
+    /// A delayed fault's time: only makes an event boundary, where the fault is checked.
+    FaultTimer,
+    /// The planned change `cfg.scale[i]` is due.
+    Scale(usize),
+    /// The planner looks at the recent requests (every `planner.interval_ms`).
+    PlannerTick,
+}
+
+impl Replay<'_> {
+    pub(super) fn push(&mut self, at_ns: u64, ev: Event) {
+        self.queue.push(at_ns, ev);
+    }
+
+    pub(super) fn push_all(&mut self, evs: Vec<Event>) {
+        let now = self.now_ns;
+        for ev in evs {
+            self.push(now, ev);
+        }
+    }
+
+    /// Runs to the end of the trace and until every event is handled.
+    pub fn run(mut self) -> Result<ReplayOutcome, ReplayError> {
+        while let Some((at_ns, ev)) = self.queue.pop_with_starts(Event::StepDone, Event::StepStart) {
+            if at_ns >= self.quiet.earliest_ns {
+                // A step boundary ranks by its worker; anything else after every boundary.
+                let rank = if let Event::StepDone(s) = ev { s } else { usize::MAX };
+                self.write_quiet_until(at_ns, rank)?;
+            }
+            self.now_ns = at_ns;
+            // A step start is the loop's own bookkeeping, not an event of the run: a quiet run
+            // has none between its steps, and the count must not depend on coalescing.
+            if !matches!(ev, Event::StepStart(_)) {
+                self.events += 1;
+            }
+            self.handle(ev)?;
+            if !self.leaving.is_empty() {
+                self.check_leaving()?;
+            }
+            if self.now_ns.saturating_sub(self.last_progress_ns) > self.progress_limit_ns {
+                self.check_progress();
+            }
+            if self.livelock.is_some() {
+                break;
+            }
+            if self.events >= self.next_progress {
+                self.next_progress = self.events + 4096;
+                if let Some(p) = self.progress.as_mut() {
+                    p(self.arrivals, self.now_ns);
+                }
+            }
+        }
+        let stuck = self.diagnose();
+        let drained = stuck.is_empty();
+        let faults = self.fault_reports();
+        let scaling = self.scaling_report();
+        let report = self.sink.finish()?;
+        Ok(ReplayOutcome {
+            report,
+            run_id: self.run_id,
+            backend: self.cfg.backend,
+            policy: self.policy,
+            seed: self.cfg.seed,
+            description: self.description.clone(),
+            trace_lines_read: self.workload.trace_lines_read(),
+            drained,
+            stuck,
+            events: self.events,
+            coalesced_steps: self.quiet.coalesced,
+            virtual_end_ns: self.now_ns,
+            faults,
+            workload: self.workload.stats(),
+            scaling,
+        })
+    }
+
+    fn handle(&mut self, ev: Event) -> Result<(), ReplayError> {
+        // Fault injection may drop, reject or double a delivery.
+        if self.faults.active() && self.fault_intercepts(&ev)? {
+            return self.fault_boundary();
+        }
+        match ev {
+            Event::Arrival => self.on_arrival()?,
+            Event::StepDone(s) => self.on_step_done(s)?,
+            Event::StepStart(s) => self.kick(s)?,
+            Event::Command { slot, command, then } => self.on_command(slot, command, then)?,
+            Event::Deliver { slot, msg } => self.on_deliver(slot, msg)?,
+            Event::TransferDone { slot, handoff } => {
+                self.destination_event(slot, handoff, DestinationEvent::ReceiveCompleted)?;
+            }
+            Event::TransferTick => self.on_transfer_tick()?,
+            Event::LeaseTimer { slot, handoff } => {
+                self.source_event(slot, handoff, SourceEvent::LeaseExpired)?;
+            }
+            Event::ReservationTimer { slot, handoff } => {
+                self.destination_event(slot, handoff, DestinationEvent::ReservationExpired)?;
+            }
+            Event::RenewTimer { slot, handoff } => self.on_renew(slot, handoff)?,
+            Event::BootstrapTimer { request } => self.on_bootstrap_timeout(request)?,
+            Event::FaultTimer => {}
+            Event::Scale(i) => self.on_planned_scale(i)?,
+            Event::PlannerTick => self.on_planner_tick()?,
+        }
+        if self.faults.active() {
+            self.fault_boundary()?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn slot_of(&self, w: WorkerId) -> usize {
+        let slots = match w.role {
+            Role::Decode => &self.decode_slots,
+            _ => &self.prefill_slots,
+        };
+        // Every worker a router or a message names has a slot; an unknown one maps past the
+        // end, so a bug shows as an out-of-range panic at the caller rather than a wrong worker.
+        slots.get(w.index as usize).copied().unwrap_or(usize::MAX)
+    }
+
+    /// Starts (or queues) a transfer in the contention model, from `from`'s NIC to slot `s`'s.
+    pub(super) fn start_shared_transfer(
+        &mut self,
+        s: usize,
+        handoff: HandoffId,
+        from: WorkerId,
+        bytes: u64,
+    ) -> Result<(), ReplayError> {
+        let key = self.next_transfer_key;
+        self.next_transfer_key += 1;
+        let source = self.slot_of(from);
+        if let Some(m) = self.contention.as_mut() {
+            m.start(self.now_ns, key, source, s, bytes)
+                .map_err(|e| ReplayError::Engine(format!("transfer: {e}")))?;
+        }
+        self.transfers.insert(key, (s, handoff));
+        self.transfer_of.insert(handoff, key);
+        self.arm_transfer_tick();
+        Ok(())
+    }
+
+    /// A destination let go of its handoff: a transfer still queued or moving stops sharing.
+    pub(super) fn cancel_shared_transfer(&mut self, handoff: HandoffId) {
+        let Some(key) = self.transfer_of.remove(&handoff) else { return };
+        self.transfers.remove(&key);
+        if let Some(m) = self.contention.as_mut() {
+            m.cancel(self.now_ns, key);
+        }
+        self.arm_transfer_tick();
+    }
+
+    fn arm_transfer_tick(&mut self) {
+        let due = self.contention.as_ref().and_then(|m| m.next_event_ns());
+        arm(&mut self.queue, &mut self.tick_armed_ns, self.now_ns, due, Event::TransferTick);
+    }
+
+    fn on_transfer_tick(&mut self) -> Result<(), ReplayError> {
+        let now = self.now_ns;
+        if self.tick_armed_ns == Some(now) {
+            self.tick_armed_ns = None;
+        }
+        let done = self.contention.as_mut().map(|m| m.advance(now)).unwrap_or_default();
+        for c in done {
+            let Some((slot, handoff)) = self.transfers.remove(&c.key) else { continue };
+            self.transfer_of.remove(&handoff);
+            let fact = Fact::TransferTiming {
+                handoff,
+                queued_ns: c.queued_ns,
+                latency_ns: c.latency_ns,
+                moving_ns: c.moving_ns,
+            };
+            self.emit(slot, now, fact)?;
+            self.destination_event(slot, handoff, DestinationEvent::ReceiveCompleted)?;
+        }
+        self.arm_transfer_tick();
+        Ok(())
+    }
+}
+
+/// Queues `ev` for `due` (not before `now_ns`) unless one is queued for that instant or earlier
+/// already (`armed`): an event that wakes a component whose next instant keeps moving (the
+/// workload, the contention model) is queued once per instant, not once per change.
+pub(super) fn arm(
+    queue: &mut EventQueue<Event>,
+    armed: &mut Option<u64>,
+    now_ns: u64,
+    due: Option<u64>,
+    ev: Event,
+) {
+    let Some(due) = due else { return };
+    let at = due.max(now_ns);
+    if armed.map_or(true, |a| at < a) {
+        *armed = Some(at);
+        queue.push(at, ev);
+    }
+}
