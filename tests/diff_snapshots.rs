@@ -1,6 +1,6 @@
 //! Snapshot tests of `diff` output on committed fixture runs under `fixtures/runs/`.
 //!
-//! The fixtures were written by the generator in `diff_support.rs`; to rewrite them (only when
+//! The fixtures were written by the generator in `tests/support/generator.rs`; to rewrite them (only when
 //! the log format or the generator changes on purpose):
 //! `cargo test --test diff_snapshots -- --ignored regenerate_fixture_runs`.
 

@@ -1,3 +1,4 @@
-//! Adapters do the IO: clocks, replay (virtual time, trace readers), live (processes, transport).
+//! Adapters do the IO around the sans-IO cores: today the offline replay (virtual clock, trace readers,
+//! log writer thread). Live workers are not built yet.
 
 pub mod replay;
