@@ -324,6 +324,63 @@ fn contradictions_are_told_in_words() {
     assert!(!err.contains("None") && !err.contains("Some("), "{err}");
 }
 
+/// One rule for a log whose checksums hold but whose facts contradict each other: verify calls
+/// it unsound (exit 1, as for damage), every command that folds it refuses it (exit 2, as for
+/// a damaged log) with the same located message, and show lists its records as written.
+#[test]
+fn a_self_contradicting_log_gets_one_exit_code_rule() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = WorkerId::prefill(0);
+    let mut w = RunWriter::create(dir.path(), [header(p, 4)]).unwrap();
+    let kv = KvDelta { free: -2, active: 2, slots: 1, ..KvDelta::ZERO };
+    w.append(p, 1_000_000, &Fact::RequestQueued { request: RequestId(1) }).unwrap();
+    w.append(p, 2_000_000, &Fact::RequestScheduled { request: RequestId(1), cached_tokens: 0, kv }).unwrap();
+    // Released although nothing was pinned: the scheduler view and the capacity both refuse it.
+    let back = KvDelta { pinned_source: -2, free: 2, ..KvDelta::ZERO };
+    w.append(
+        p,
+        3_000_000,
+        &Fact::SourceReleased {
+            handoff: HandoffId(uuid::Uuid::from_u128(7)),
+            lease: SourceLeaseId(1),
+            reason: EndReason::Success,
+            kv: back,
+        },
+    )
+    .unwrap();
+    w.finish().unwrap();
+    let run = dir.path();
+    let message = "the log contradicts itself: prefill-0 record seq 2 (t=3.000 ms)";
+    let o = cli().arg("verify").arg(run).output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "verify");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains(message),
+        "verify: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let svg = dir.path().join("t.svg");
+    let folding: Vec<Vec<String>> = vec![
+        vec!["project".into(), "capacity".into()],
+        vec!["project".into(), "scheduler".into()],
+        vec!["project".into(), "series".into()],
+        vec!["project".into(), "handoffs".into()],
+        vec!["project".into(), "metrics".into()],
+        vec!["project".into(), "requests".into()],
+        vec!["inspect".into()],
+        vec!["timeline".into(), "--svg".into(), svg.display().to_string()],
+        vec!["at".into(), "--time".into(), "5".into()],
+    ];
+    for args in folding {
+        let mut c = cli();
+        c.arg(&args[0]).arg(run).args(&args[1..]);
+        let o = c.output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(message), "{args:?}: {err}");
+    }
+    cli().arg("show").arg(run).assert().success();
+}
+
 #[test]
 fn every_command_has_help() {
     for c in ["verify", "show", "project", "replay"] {

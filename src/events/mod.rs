@@ -45,8 +45,8 @@ pub use layout::{
 };
 pub use reader::{recover, verify_stream, StreamReader, StreamSummary};
 pub use run::{
-    recover_run, stream_file_name, verify_run, write_merged, MergeSummary, RunReader, RunStreamSummary,
-    RunSummary, RunWriter,
+    recover_run, stream_file_name, verify_run, verify_run_with, write_merged, MergeSummary, RunReader,
+    RunStreamSummary, RunSummary, RunWriter,
 };
 pub use segment::SegmentReader;
 pub use writer::StreamWriter;

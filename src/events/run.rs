@@ -257,6 +257,15 @@ pub struct RunSummary {
 /// Reads a whole run (any layout) and checks every stream's framing, checksums, sequence
 /// numbers and facts, and the shared run id. Writes nothing.
 pub fn verify_run(path: impl AsRef<Path>) -> Result<RunSummary, LogError> {
+    verify_run_with(path, |_, _| Ok(()))
+}
+
+/// [`verify_run`], handing every record (with its stream index) to `observe`, which may refuse
+/// the run (a content check: the log layer itself only checks framing).
+pub fn verify_run_with<E: From<LogError>>(
+    path: impl AsRef<Path>,
+    mut observe: impl FnMut(usize, &Record) -> Result<(), E>,
+) -> Result<RunSummary, E> {
     let mut run = RunReader::open(path)?;
     let mut streams: Vec<RunStreamSummary> = run
         .headers()
@@ -266,6 +275,7 @@ pub fn verify_run(path: impl AsRef<Path>) -> Result<RunSummary, LogError> {
     let mut handoffs = BTreeSet::<HandoffId>::new();
     let mut records = 0;
     while let Some((i, rec)) = run.next()? {
+        observe(i, &rec)?;
         records += 1;
         if let Some(s) = streams.get_mut(i) {
             s.records += 1;

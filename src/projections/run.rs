@@ -1,6 +1,6 @@
 //! Folds over a whole run (a directory of streams or a merged file), in merge order.
 
-use crate::events::{LogError, Record, RunReader};
+use crate::events::{verify_run_with, LogError, Record, RunReader, RunSummary, StreamHeader};
 use crate::ids::{Role, WorkerId};
 use crate::projections::bookings::BookingViolation;
 use crate::projections::capacity::{CapacityViolation, KvCapacitySnapshot};
@@ -18,11 +18,11 @@ use std::collections::BTreeMap;
 pub enum ProjectError {
     #[error(transparent)]
     Log(#[from] LogError),
-    #[error("{worker} record seq {seq} (t={at_ms:.3} ms): {violation}")]
+    #[error("the log contradicts itself: {worker} record seq {seq} (t={at_ms:.3} ms): {violation}")]
     Capacity { worker: WorkerId, seq: u64, at_ms: f64, violation: CapacityViolation },
-    #[error("{worker} record seq {seq} (t={at_ms:.3} ms): {violation}")]
+    #[error("the log contradicts itself: {worker} record seq {seq} (t={at_ms:.3} ms): {violation}")]
     View { worker: WorkerId, seq: u64, at_ms: f64, violation: ViewViolation },
-    #[error("{worker} record seq {seq} (t={at_ms:.3} ms): router bookings: {violation}")]
+    #[error("the log contradicts itself: {worker} record seq {seq} (t={at_ms:.3} ms): router bookings: {violation}")]
     Booking { worker: WorkerId, seq: u64, at_ms: f64, violation: BookingViolation },
 }
 
@@ -36,6 +36,32 @@ impl ProjectError {
             WorkerViolation::Booking(violation) => ProjectError::Booking { worker, seq, at_ms, violation },
         }
     }
+}
+
+/// Every stream folded by the shared [`WorkerFold`], so a command that answers from other folds
+/// (the ledger, metrics) refuses a self-contradicting log as `project capacity` or `inspect`
+/// does: the one rule for contradictions.
+pub struct Consistency {
+    folds: Vec<WorkerFold>,
+}
+
+impl Consistency {
+    pub fn new(headers: &[StreamHeader]) -> Self {
+        Consistency { folds: headers.iter().map(WorkerFold::new).collect() }
+    }
+
+    /// Folds record `rec` of stream `stream`; a contradiction is an error naming the record.
+    pub fn check(&mut self, stream: usize, rec: &Record) -> Result<(), ProjectError> {
+        let Some(fold) = self.folds.get_mut(stream) else { return Ok(()) };
+        fold.apply(rec).map(|_| ()).map_err(|v| ProjectError::located(fold.worker, rec, v))
+    }
+}
+
+/// `verify` of framing and content: [`crate::events::verify_run`] with every stream folded.
+pub fn verify_consistent(path: &std::path::Path) -> Result<RunSummary, ProjectError> {
+    let headers = RunReader::open(path)?.headers().to_vec();
+    let mut consistency = Consistency::new(&headers);
+    verify_run_with(path, |i, rec| consistency.check(i, rec))
 }
 
 /// A peak and when it was first reached.
@@ -110,8 +136,10 @@ pub fn project_capacity(run: &mut RunReader) -> Result<Vec<CapacityRow>, Project
 /// The handoff ledger of a run.
 pub fn project_handoffs(run: &mut RunReader) -> Result<HandoffLedger, ProjectError> {
     let workers: Vec<WorkerId> = run.headers().iter().map(|h| h.worker).collect();
+    let mut consistency = Consistency::new(run.headers());
     let mut ledger = HandoffLedger::new();
     while let Some((i, rec)) = run.next()? {
+        consistency.check(i, &rec)?;
         ledger.apply(workers[i], &rec);
     }
     Ok(ledger)
@@ -136,7 +164,9 @@ pub fn project_metrics(run: &mut RunReader) -> Result<MetricsReport, ProjectErro
     for h in &headers {
         fold.add_stream(h);
     }
+    let mut consistency = Consistency::new(&headers);
     while let Some((i, rec)) = run.next()? {
+        consistency.check(i, &rec)?;
         fold.apply(headers[i].worker, &rec);
     }
     Ok(fold.report())

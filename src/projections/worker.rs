@@ -137,8 +137,12 @@ impl WorkerFold {
             None => Ok(change),
             Some(e) => {
                 if self.violation.is_none() {
-                    self.violation =
-                        Some(format!("{} seq {} (t={:.3} ms): {e}", self.worker, rec.seq, ms(rec.at_ns)));
+                    self.violation = Some(format!(
+                        "{} record seq {} (t={:.3} ms): {e}",
+                        self.worker,
+                        rec.seq,
+                        ms(rec.at_ns)
+                    ));
                 }
                 Err(e)
             }

@@ -41,10 +41,16 @@ pub fn run(log: &Path, time: &str, json: bool) -> Result<u8, CliError> {
         out.line(&table(&report))?;
     }
     out.flush()?;
-    for v in &report.violations {
-        eprintln!("handoff-log: warning: the log contradicts itself: {v}");
+    // The state is printed as far as the folds could take it; a contradiction then fails the
+    // command as it fails every command that folds the log.
+    match report.violations.first() {
+        None => Ok(0),
+        Some(v) => {
+            let more = report.violations.len() - 1;
+            let also = if more > 0 { format!(" (and {more} more streams)") } else { String::new() };
+            Err(CliError::new(2, format!("the log contradicts itself: {v}{also}")))
+        }
     }
-    Ok(if report.violations.is_empty() { 0 } else { 1 })
 }
 
 fn table(r: &AtReport) -> String {

@@ -6,7 +6,7 @@ use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
 use handoff_ledger::events::RunReader;
 use handoff_ledger::lifecycle::policy::Milestone;
 use handoff_ledger::projections::run::{
-    project_capacity, project_handoffs, project_metrics, project_scheduler,
+    project_capacity, project_handoffs, project_metrics, project_scheduler, Consistency,
 };
 use handoff_ledger::units::ms;
 use serde_json::json;
@@ -74,7 +74,9 @@ fn requests(run: &mut RunReader, out: &mut Out, csv: bool) -> Result<(), CliErro
         }
         Ok(())
     };
+    let mut consistency = Consistency::new(&headers);
     while let Some((i, rec)) = run.next()? {
+        consistency.check(i, &rec)?;
         fold.apply(headers[i].worker, &rec);
         let ready = rows.lock().map(|mut v| std::mem::take(&mut *v)).unwrap_or_default();
         flush(out, ready)?;
@@ -119,7 +121,7 @@ fn series(run: &mut RunReader, out: &mut Out, csv: bool) -> Result<(), CliError>
         for &i in changed.iter() {
             let f = &folds[i];
             if let Some(v) = &f.violation {
-                return Err(CliError::new(1, format!("{}: contradicts itself: {v}", f.worker)));
+                return Err(CliError::new(2, format!("the log contradicts itself: {v}")));
             }
             let now = (CapacityView::from(&f.capacity), f.scheduler.view());
             if last[i].as_ref() == Some(&now) {

@@ -1,8 +1,9 @@
-//! `handoff-log verify`: framing, checksums, sequence numbers, run ids.
+//! `handoff-log verify`: framing, checksums, sequence numbers, run ids, and that the facts agree
+//! with each other (every stream folded as every other command folds it).
 
 use crate::out::Out;
 use crate::CliError;
-use handoff_ledger::events::verify_run;
+use handoff_ledger::projections::run::{verify_consistent, ProjectError};
 use serde_json::json;
 use std::path::PathBuf;
 
@@ -10,7 +11,7 @@ pub fn run(logs: &[PathBuf], json_out: bool) -> Result<u8, CliError> {
     let mut out = Out::new();
     let mut worst = 0u8;
     for path in logs {
-        match verify_run(path) {
+        match verify_consistent(path) {
             Ok(s) => {
                 let torn: Vec<_> = s
                     .torn_tails
@@ -47,13 +48,21 @@ pub fn run(logs: &[PathBuf], json_out: bool) -> Result<u8, CliError> {
                 }
             }
             Err(e) => {
+                // Damage and contradiction alike make the log unsound: exit 1.
                 worst = 1;
                 if json_out {
-                    out.line(
-                        &json!({"log": path.display().to_string(), "ok": false, "error": e.to_string(),
-                                "file": e.path().display().to_string(), "offset": e.offset()})
-                        .to_string(),
-                    )?;
+                    let located = match &e {
+                        ProjectError::Log(le) => {
+                            json!({"file": le.path().display().to_string(), "offset": le.offset()})
+                        }
+                        _ => json!({"contradiction": true}),
+                    };
+                    let mut v =
+                        json!({"log": path.display().to_string(), "ok": false, "error": e.to_string()});
+                    if let (Some(m), Some(extra)) = (v.as_object_mut(), located.as_object()) {
+                        m.extend(extra.clone());
+                    }
+                    out.line(&v.to_string())?;
                 } else {
                     out.flush()?;
                     eprintln!("handoff-log: {e}");
