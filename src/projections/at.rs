@@ -11,10 +11,10 @@
 use crate::events::index::{IndexError, RunIndex};
 use crate::events::{RunLayout, SegmentReader};
 use crate::ids::{Role, WorkerId};
-use crate::projections::capacity::KvCapacitySnapshot;
+use crate::model::capacity::KvCapacitySnapshot;
+use crate::model::view::SchedulerView;
 use crate::projections::worker::WorkerFold;
 use crate::router::WorkerLoad;
-use crate::schedulers::SchedulerView;
 use crate::units::ms;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -73,7 +73,7 @@ impl From<&KvCapacitySnapshot> for CapacityView {
 impl CapacityView {
     /// The block and slot figures and the queues, in one fixed order (for tables and CSV rows:
     /// `at` and `project series` print the same columns).
-    pub fn with_queues(&self, q: &crate::schedulers::SchedulerView) -> [u64; 14] {
+    pub fn with_queues(&self, q: &crate::model::view::SchedulerView) -> [u64; 14] {
         [
             self.active_blocks,
             self.pinned_source_blocks,

@@ -11,7 +11,7 @@
 
 use crate::events::Fact;
 use crate::ids::{HandoffId, RequestId, WorkerId};
-use crate::projections::capacity::KvCapacitySnapshot;
+use crate::model::capacity::KvCapacitySnapshot;
 use crate::projections::inspect::{pct, MAX_INTERVALS_PER_WORKER};
 use crate::units::{ms, NS_PER_MS};
 use serde::Serialize;

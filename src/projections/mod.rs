@@ -1,7 +1,8 @@
 //! Pure folds over records. A projection never reads a clock or a file: it is fed records in
 //! stream (or deterministic merge) order and answers from what it has seen.
 
-pub mod capacity;
+/// Kept at its old path: the snapshot is the model layer's.
+pub use crate::model::capacity;
 
 pub use capacity::KvCapacitySnapshot;
 pub mod scheduler;

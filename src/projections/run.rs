@@ -2,13 +2,13 @@
 
 use crate::events::{verify_run_with, LogError, Record, RunReader, RunSummary, StreamHeader};
 use crate::ids::{Role, WorkerId};
+use crate::model::capacity::{CapacityViolation, KvCapacitySnapshot};
+use crate::model::view::SchedulerView;
 use crate::projections::bookings::BookingViolation;
-use crate::projections::capacity::{CapacityViolation, KvCapacitySnapshot};
 use crate::projections::handoffs::HandoffLedger;
 use crate::projections::metrics::{MetricsFold, MetricsReport};
 use crate::projections::scheduler::ViewViolation;
 use crate::projections::worker::{WorkerFold, WorkerViolation};
-use crate::schedulers::SchedulerView;
 use crate::units::ms;
 use serde::Serialize;
 use std::collections::BTreeMap;

@@ -15,7 +15,7 @@
 
 use crate::events::Fact;
 use crate::ids::{HandoffId, RequestId};
-use crate::schedulers::SchedulerView;
+use crate::model::view::SchedulerView;
 use std::collections::{BTreeMap, BTreeSet};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -10,10 +10,10 @@
 use crate::events::index::CheckpointFold;
 use crate::events::{KvDelta, Record, StreamHeader};
 use crate::ids::{Role, WorkerId};
+use crate::model::capacity::{CapacityViolation, KvCapacitySnapshot};
+use crate::model::view::SchedulerView;
 use crate::projections::bookings::{BookingFold, BookingViolation};
-use crate::projections::capacity::{CapacityViolation, KvCapacitySnapshot};
 use crate::projections::scheduler::{SchedulerFold, ViewViolation};
-use crate::schedulers::SchedulerView;
 use crate::units::ms;
 use serde::{Deserialize, Serialize};
 

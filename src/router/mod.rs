@@ -38,7 +38,7 @@ pub use select::RouterMode;
 
 use crate::events::{BlockHash, Fact, TerminalStatus};
 use crate::ids::{RequestId, WorkerId};
-use crate::schedulers::request::Request;
+use crate::model::request::Request;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;

@@ -13,7 +13,8 @@
 //! [`EngineCore::audit`] recounts the same figures from the core's own structures.
 
 pub mod perf;
-pub mod request;
+pub mod prefetch;
+pub use crate::model::request;
 pub mod sglang;
 pub mod vllm;
 
@@ -24,7 +25,8 @@ use crate::events::{EngineShape, Fact, RejectReason, TerminalStatus};
 use crate::ids::{
     CancelReason, DestinationReservationId, EndReason, HandoffId, RequestId, SourceLeaseId, WorkerId,
 };
-use crate::projections::capacity::KvCapacitySnapshot;
+use crate::model::capacity::KvCapacitySnapshot;
+pub use crate::model::view::SchedulerView;
 
 /// What a core needs the adapter to act on.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -165,19 +167,6 @@ impl QuietSteps {
             kv: crate::events::KvDelta::ZERO,
         }
     }
-}
-
-/// The scheduler's queues, as counts. The scheduler-view fold must reproduce them.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct SchedulerView {
-    pub waiting: u64,
-    pub running: u64,
-    /// Reserved destinations waiting for remote KV (`WAITING_FOR_REMOTE_KVS`).
-    pub waiting_for_remote_kv: u64,
-    /// Finished prefills whose KV is pinned for a reader.
-    pub held_prefills: u64,
-    /// Reservations waiting in the pending FIFO.
-    pub pending_reservations: u64,
 }
 
 /// The command API both cores implement.

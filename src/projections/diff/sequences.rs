@@ -8,8 +8,8 @@ use super::findings::{Candidate, Findings};
 use super::report::{DiffKind, Difference, Location};
 use crate::events::{Fact, KvDelta, LogError, Record, RunLayout, SegmentKind, SegmentReader};
 use crate::ids::{Role, WorkerId};
+use crate::model::capacity::KvCapacitySnapshot;
 use crate::projections::bookings::is_booking_fact;
-use crate::projections::capacity::KvCapacitySnapshot;
 use crate::projections::worker::{WorkerFold, WorkerViolation};
 use std::collections::VecDeque;
 

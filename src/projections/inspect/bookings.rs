@@ -5,7 +5,7 @@
 use super::report::{BookingPoint, BookingRow, Divergence, PeakAt, BOOKING_SERIES_BUCKETS};
 use super::MAX_INTERVALS_PER_WORKER;
 use crate::ids::{Role, WorkerId};
-use crate::projections::capacity::KvCapacitySnapshot;
+use crate::model::capacity::KvCapacitySnapshot;
 use crate::projections::timeline::{Downsampler, Sample};
 use crate::units::ms;
 

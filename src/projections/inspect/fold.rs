@@ -11,12 +11,12 @@ use super::wait_breakdown::HandoffWatch;
 use super::InspectOptions;
 use crate::events::{Fact, Record, RejectReason, StreamHeader};
 use crate::ids::{Role, WorkerId};
+use crate::model::capacity::KvCapacitySnapshot;
+use crate::model::view::SchedulerView;
 use crate::projections::bookings::BookingFold;
-use crate::projections::capacity::KvCapacitySnapshot;
 use crate::projections::decode_stalls::{DecodeHolBlocking, DecodeWatch, PreemptionStorms};
 use crate::projections::run::ProjectError;
 use crate::projections::worker::{WorkerFold, WorkerViolation};
-use crate::schedulers::SchedulerView;
 use crate::units::ms;
 
 /// One engine worker's folded state.

@@ -49,7 +49,7 @@ pub type PerRequestSink = Box<dyn FnMut(&PerRequest) + Send>;
 
 /// A stable per-request UUID derived from the run's seed and the request index.
 pub fn request_uuid(seed: u64, request: RequestId) -> uuid::Uuid {
-    let hi = crate::schedulers::request::mix(seed ^ 0x5_eed0_f4e9_0e57, request.0);
-    let lo = crate::schedulers::request::mix(hi, request.0 ^ 0x0123_4567_89ab_cdef);
+    let hi = crate::model::request::mix(seed ^ 0x5_eed0_f4e9_0e57, request.0);
+    let lo = crate::model::request::mix(hi, request.0 ^ 0x0123_4567_89ab_cdef);
     uuid::Builder::from_random_bytes(((hi as u128) << 64 | lo as u128).to_be_bytes()).into_uuid()
 }

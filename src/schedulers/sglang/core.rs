@@ -6,7 +6,7 @@ use crate::events::{BlockHash, EngineShape, Fact, KvDelta, RejectReason, Termina
 use crate::ids::{
     CancelReason, DestinationReservationId, EndReason, HandoffId, RequestId, SourceLeaseId, WorkerId,
 };
-use crate::projections::capacity::KvCapacitySnapshot;
+use crate::model::capacity::KvCapacitySnapshot;
 use crate::schedulers::request::{decode_block_hash, ROOT_HASH};
 use crate::schedulers::{
     CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, QuietDurations,

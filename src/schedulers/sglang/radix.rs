@@ -25,7 +25,7 @@
 //! operation in a replay) unlinks it with writes only. Never iterated into output.
 
 use crate::events::{BlockHash, Fact, KvDelta};
-use crate::schedulers::vllm::block_pool::prefetch;
+use crate::schedulers::prefetch::prefetch;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 

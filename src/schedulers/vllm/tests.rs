@@ -3,7 +3,8 @@
 use super::{VllmConfig, VllmCore};
 use crate::events::{Fact, KvDelta};
 use crate::ids::{Backend, CancelReason, EndReason, HandoffId, RequestId, WorkerId};
-use crate::projections::{KvCapacitySnapshot, SchedulerFold};
+use crate::model::capacity::KvCapacitySnapshot;
+use crate::projections::SchedulerFold;
 use crate::schedulers::request::TRACE_BLOCK_SIZE;
 use crate::schedulers::{CommandOutcome, Effects, EngineCore, Request};
 

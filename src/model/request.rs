@@ -6,8 +6,10 @@
 //! trace blocks it covers, and equal hash-id prefixes give equal engine-block hashes: real prefix
 //! reuse without a token vector.
 
-use crate::events::BlockHash;
 use crate::ids::RequestId;
+
+/// A chained block hash: each block's hash covers its parent's (a sequence hash).
+pub type BlockHash = u64;
 use std::sync::Arc;
 
 /// The public Mooncake traces' block size.

@@ -1,6 +1,6 @@
 //! `KvCapacitySnapshot`: physical KV ownership per worker, folded from its facts.
 
-use crate::events::{Fact, KvDelta};
+use crate::model::delta::KvDelta;
 use serde::{Deserialize, Serialize};
 
 /// A worker's physical KV at one instant. The five block classes are mutually exclusive and sum
@@ -93,15 +93,6 @@ impl KvCapacitySnapshot {
         };
         *self = next;
         Ok(())
-    }
-
-    /// Applies the delta a fact carries (facts that move nothing leave the snapshot as it is).
-    pub fn apply_fact(&mut self, fact: &Fact) -> Result<(), CapacityViolation> {
-        let d = fact.kv_delta();
-        if d.is_zero() {
-            return Ok(());
-        }
-        self.apply(&d)
     }
 }
 
