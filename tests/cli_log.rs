@@ -568,3 +568,34 @@ fn every_command_works_on_every_committed_run() {
         failures.join("\n")
     );
 }
+
+/// A clean replay ends every stream with the end marker and verifies complete; the same run cut
+/// short (its last record gone, as a kill leaves it) verifies incomplete, naming the stream, and
+/// a projection of it warns that its figures cover only what was written.
+#[test]
+fn a_run_without_its_end_markers_is_called_incomplete() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    support::e2e::replay("traces/mooncake-200.jsonl", &["--prefill", "1", "--decode", "1"], &run);
+    let o = cli().arg("verify").arg("--json").arg(&run).output().unwrap();
+    assert!(o.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["complete"], true, "{v}");
+    // Cut the router stream's last record (the marker): what a kill just before the end leaves.
+    let router = run.join("router.hlog");
+    let mut reader = handoff_ledger::events::StreamReader::open(&router).unwrap();
+    let mut last = None;
+    while let Some(rec) = reader.next_record().unwrap() {
+        last = Some((reader.last_record_offset().unwrap(), rec.fact));
+    }
+    let (offset, fact) = last.unwrap();
+    assert_eq!(fact, Fact::StreamEnded);
+    std::fs::OpenOptions::new().write(true).open(&router).unwrap().set_len(offset).unwrap();
+    let o = cli().arg("verify").arg(&run).output().unwrap();
+    assert!(o.status.success(), "an incomplete run is not a damaged one");
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("incomplete run: router has no end marker"), "{text}");
+    let o = cli().arg("project").arg(&run).arg("metrics").output().unwrap();
+    assert!(o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("warning: incomplete run: router"));
+}

@@ -1233,9 +1233,11 @@ fn a_removed_decode_worker_takes_no_new_work_finishes_its_own_and_leaves() {
         });
         assert!(done, "{r} did not complete on decode-1");
     }
-    // It left once drained: WorkerLeft is its last record, after its last request finished.
+    // It left once drained: WorkerLeft is its last record before the end marker, after its
+    // last request finished.
     let own: Vec<&(WorkerId, u64, Fact)> = recs.iter().filter(|(w, _, _)| *w == d1).collect();
-    let (_, left_ns, last) = own.last().unwrap();
+    assert!(matches!(own.last().unwrap().2, Fact::StreamEnded), "a clean end closes every stream");
+    let (_, left_ns, last) = own[own.len() - 2];
     assert!(matches!(last, Fact::WorkerLeft { .. }), "{last:?}");
     assert_eq!(own.iter().filter(|(_, _, f)| matches!(f, Fact::WorkerLeft { .. })).count(), 1);
     let last_finish =

@@ -231,10 +231,14 @@ pub enum Fact {
     /// just before `ReceiveCompleted`): waiting for a transfer slot on both NICs, the fixed
     /// latency, and moving bytes at its share of the bandwidth.
     TransferTiming { handoff: HandoffId, queued_ns: u64, latency_ns: u64, moving_ns: u64 },
-    /// The worker left the cluster for good (the last record of its stream): it was taken out
+    /// The worker left the cluster for good (its last record before the end marker): it was taken out
     /// of routing by a planned or planner-decided scale-down, finished everything it held, and
     /// `generation` was its last incarnation. Worker-seconds count its stream up to here.
     WorkerLeft { generation: Generation },
+    /// The writer's last record on a clean end of the run. A stream whose last record is not
+    /// this one was cut short (a crash, a kill, an error mid-run): readers say the run is
+    /// incomplete rather than fold partial figures as if they were whole.
+    StreamEnded,
 }
 
 impl Fact {
@@ -356,6 +360,7 @@ impl Fact {
             DecodeResumed { .. } => "DecodeResumed",
             TransferTiming { .. } => "TransferTiming",
             WorkerLeft { .. } => "WorkerLeft",
+            StreamEnded => "StreamEnded",
         }
     }
 }

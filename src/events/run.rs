@@ -226,6 +226,16 @@ impl RunReader {
         self.files.iter().filter_map(|r| r.torn_tail().map(|t| (r.path().to_path_buf(), t))).collect()
     }
 
+    /// The workers whose stream, as read so far, does not end with [`Fact::StreamEnded`]: once
+    /// `next` returned `None`, the streams that were cut short (empty when the run is complete).
+    pub fn unended(&self) -> Vec<WorkerId> {
+        let single = self.files.len() == 1;
+        (0..self.layout.headers.len())
+            .filter(|&i| !self.files[if single { 0 } else { i }].ended(i))
+            .map(|i| self.layout.headers[i].worker)
+            .collect()
+    }
+
     /// Iterates the remaining records (stops after the first error).
     pub fn records(&mut self) -> impl Iterator<Item = Result<(usize, Record), LogError>> + '_ {
         std::iter::from_fn(move || self.next().transpose())
@@ -252,6 +262,8 @@ pub struct RunSummary {
     pub handoffs: usize,
     /// Left in place: verifying never writes.
     pub torn_tails: Vec<(PathBuf, TornTail)>,
+    /// Workers whose stream has no end marker: the run did not end cleanly.
+    pub unended: Vec<WorkerId>,
 }
 
 /// Reads a whole run (any layout) and checks every stream's framing, checksums, sequence
@@ -292,6 +304,7 @@ pub fn verify_run_with<E: From<LogError>>(
         records,
         handoffs: handoffs.len(),
         torn_tails: run.torn_tails(),
+        unended: run.unended(),
     })
 }
 
@@ -538,9 +551,21 @@ impl RunWriter {
         self.stream(worker)?.append(at_ns, fact)
     }
 
+    /// A clean end: appends [`Fact::StreamEnded`] to every stream (at its last record's
+    /// instant), then [`RunWriter::finish`]. A run ended any other way reads as incomplete.
+    pub fn close(mut self) -> Result<Vec<PathBuf>, LogError> {
+        let workers: Vec<WorkerId> = self.headers.keys().copied().collect();
+        for w in workers {
+            let s = self.stream(w)?;
+            let at = s.last_at_ns();
+            s.append(at, &Fact::StreamEnded)?;
+        }
+        self.finish()
+    }
+
     /// Creates the streams of workers that never appended (header only, so every worker's
     /// engine shape is on record), flushes every stream, and returns the files in canonical
-    /// order.
+    /// order. Writes no end marker: use [`RunWriter::close`] for a clean end.
     pub fn finish(mut self) -> Result<Vec<PathBuf>, LogError> {
         let workers: Vec<WorkerId> = self.headers.keys().copied().collect();
         let mut paths = Vec::with_capacity(workers.len());

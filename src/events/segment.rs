@@ -24,6 +24,8 @@ pub struct SegmentReader<R: Read = BufReader<File>> {
     stream: usize,
     /// Expected next seq per run stream index (only the file's streams are used).
     next_seq: Vec<u64>,
+    /// Per stream: its last record read was the end marker.
+    ended: Vec<bool>,
     check_seq: bool,
     last_offset: Option<u64>,
     /// When set, records of other streams are checked (checksum, seq) but not decoded or
@@ -72,6 +74,7 @@ impl<R: Read> SegmentReader<R> {
             frames: FrameReader::new(inner, path, offset),
             kind,
             stream,
+            ended: vec![false; next_seq.len()],
             next_seq,
             check_seq: true,
             last_offset: None,
@@ -154,6 +157,9 @@ impl<R: Read> SegmentReader<R> {
         let fact: Fact = codec::decode_exact(&self.frames.body[fields.fact_start..])
             .map_err(|e| self.frames.corrupt(offset, format!("undecodable fact: {e}")))?;
         self.last_offset = Some(offset);
+        if let Some(e) = self.ended.get_mut(stream) {
+            *e = matches!(fact, Fact::StreamEnded);
+        }
         Ok(Some(Some((stream, Record { seq: fields.seq, at_ns: fields.at_ns, fact }))))
     }
 
@@ -170,6 +176,11 @@ impl<R: Read> SegmentReader<R> {
     /// The sequence number each stream's next record must carry.
     pub fn next_seqs(&self) -> &[u64] {
         &self.next_seq
+    }
+
+    /// Whether `stream`'s last record read is the end marker ([`Fact::StreamEnded`]).
+    pub fn ended(&self, stream: usize) -> bool {
+        self.ended.get(stream).copied().unwrap_or(false)
     }
 
     /// Frames read so far, of every stream (a bound for reads that filter).

@@ -25,6 +25,8 @@ pub struct StreamWriter<W: Write> {
     header: StreamHeader,
     scratch: Vec<u8>,
     next_seq: u64,
+    /// `at_ns` of the last record appended (0 before the first).
+    last_at_ns: u64,
     bytes_written: u64,
     poisoned: bool,
     /// A fresh checksum state, cloned per record: `crc32fast::hash` re-detects CPU features on
@@ -50,6 +52,7 @@ impl<W: Write> StreamWriter<W> {
             header: header.clone(),
             scratch,
             next_seq: 0,
+            last_at_ns: 0,
             bytes_written: 0,
             poisoned: false,
             crc: crc32fast::Hasher::new(),
@@ -73,6 +76,7 @@ impl<W: Write> StreamWriter<W> {
         frame::seal_record(s, self.crc.clone(), &self.name)?;
         self.write_scratch()?;
         self.next_seq += 1;
+        self.last_at_ns = at_ns;
         Ok(seq)
     }
 
@@ -104,6 +108,11 @@ impl<W: Write> StreamWriter<W> {
     }
 
     /// The sequence number the next append will get (= records in the stream so far).
+    /// `at_ns` of the last record appended by this writer (0 before the first).
+    pub fn last_at_ns(&self) -> u64 {
+        self.last_at_ns
+    }
+
     pub fn next_seq(&self) -> u64 {
         self.next_seq
     }
@@ -171,6 +180,7 @@ impl StreamWriter<BufWriter<File>> {
             header,
             scratch: Vec::with_capacity(256),
             next_seq,
+            last_at_ns: 0,
             bytes_written: end,
             poisoned: false,
             crc: crc32fast::Hasher::new(),

@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 /// The number of `Fact` variants; [`ordinal`] is an exhaustive match, so adding a variant
 /// breaks the build here until the strategy, the golden list and this count are updated.
-pub const FACT_VARIANTS: usize = 42;
+pub const FACT_VARIANTS: usize = 43;
 
 /// The variant's position in the enum (= its bincode variant index).
 pub fn ordinal(f: &Fact) -> usize {
@@ -61,6 +61,7 @@ pub fn ordinal(f: &Fact) -> usize {
         DecodeResumed { .. } => 39,
         TransferTiming { .. } => 40,
         WorkerLeft { .. } => 41,
+        StreamEnded => 42,
     }
 }
 
@@ -282,6 +283,7 @@ pub fn fact() -> impl Strategy<Value = Fact> {
             moving_ns: t[2]
         }),
         generation().prop_map(|generation| WorkerLeft { generation }),
+        Just(StreamEnded),
     ]
 }
 
@@ -381,6 +383,7 @@ pub fn golden_appended_facts() -> Vec<(u64, Fact)> {
         (420, HandoffCanceled { handoff: h(8), reason: CancelReason::Expired }),
         (430, TransferTiming { handoff: h(3), queued_ns: 1_000, latency_ns: 5_000, moving_ns: u64::MAX - 3 }),
         (440, WorkerLeft { generation: Generation(2) }),
+        (440, StreamEnded),
     ]
 }
 

@@ -164,16 +164,8 @@ pub fn run(log: &Path, what: Projection, json_out: bool, csv: bool) -> Result<u8
     let mut run = RunReader::open(log)?;
     let mut out = Out::new();
     match what {
-        Projection::Requests => {
-            requests(&mut run, &mut out, csv)?;
-            out.flush()?;
-            return Ok(0);
-        }
-        Projection::Series => {
-            series(&mut run, &mut out, csv)?;
-            out.flush()?;
-            return Ok(0);
-        }
+        Projection::Requests => requests(&mut run, &mut out, csv)?,
+        Projection::Series => series(&mut run, &mut out, csv)?,
         Projection::Capacity => {
             let rows = project_capacity(&mut run)?;
             if json_out {
@@ -336,5 +328,10 @@ pub fn run(log: &Path, what: Projection, json_out: bool, csv: bool) -> Result<u8
         }
     }
     out.flush()?;
+    // Every projection read the whole run, so the streams that lack the end marker are known.
+    let unended = run.unended();
+    if !unended.is_empty() {
+        eprintln!("handoff-log: warning: {}", crate::cmd_verify::incomplete_text(&unended));
+    }
     Ok(0)
 }

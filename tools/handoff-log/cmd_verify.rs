@@ -24,9 +24,11 @@ pub fn run(logs: &[PathBuf], json_out: bool) -> Result<u8, CliError> {
                         .iter()
                         .map(|st| json!({"worker": st.header.worker, "records": st.records}))
                         .collect();
+                    let unended: Vec<String> = s.unended.iter().map(|w| w.to_string()).collect();
                     out.line(
                         &json!({"log": path.display().to_string(), "ok": true, "records": s.records,
-                                "handoffs": s.handoffs, "streams": streams, "torn_tails": torn})
+                                "handoffs": s.handoffs, "streams": streams, "torn_tails": torn,
+                                "complete": unended.is_empty(), "unended": unended})
                         .to_string(),
                     )?;
                 } else {
@@ -37,6 +39,9 @@ pub fn run(logs: &[PathBuf], json_out: bool) -> Result<u8, CliError> {
                         s.records,
                         s.handoffs
                     ))?;
+                    if !s.unended.is_empty() {
+                        out.line(&format!("{}: {}", path.display(), incomplete_text(&s.unended)))?;
+                    }
                     for (p, t) in &s.torn_tails {
                         out.line(&format!(
                             "{}: torn tail at byte offset {} ({} bytes of a partial last record); the records before it are sound and opening for append truncates it",
@@ -72,6 +77,17 @@ pub fn run(logs: &[PathBuf], json_out: bool) -> Result<u8, CliError> {
     }
     out.flush()?;
     Ok(worst)
+}
+
+/// What a reader says of a run some of whose streams lack the end marker.
+pub fn incomplete_text(unended: &[handoff_ledger::ids::WorkerId]) -> String {
+    let names: Vec<String> = unended.iter().map(|w| w.to_string()).collect();
+    format!(
+        "incomplete run: {} {} no end marker (the writer stopped before a clean end, or the log \
+         predates end markers); figures from it cover only what was written",
+        names.join(", "),
+        if names.len() == 1 { "has" } else { "have" }
+    )
 }
 
 /// `handoff-log merge RUN OUT`.

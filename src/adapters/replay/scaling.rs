@@ -8,7 +8,7 @@
 //! * A worker that is **removed** is the highest-indexed worker of its role still taking work.
 //!   From that instant its router never selects it; everything it holds (requests, pinned
 //!   sources, reservations, router bookings) ends as it would have, and once nothing is left it
-//!   writes `WorkerLeft` as the last record of its stream. A role always keeps one worker
+//!   writes `WorkerLeft` as its stream's last record before the end marker. A role always keeps one worker
 //!   taking work: a removal that would take the last one is refused.
 //! * The **planner** looks, every `interval_ms`, at the requests completed in the last
 //!   `window_ms` (a bounded ring of their TTFT and TPOT, kept from the outputs the replay

@@ -37,6 +37,9 @@ type Batch = Vec<(WorkerId, u64, Fact)>;
 struct Handover {
     streams: Vec<StreamHeader>,
     facts: Batch,
+    /// The run ended cleanly with these facts: the writer closes the run with end markers.
+    /// (A run abandoned on an error hands over its rest without, so it reads as incomplete.)
+    end: bool,
 }
 
 /// The loop's end of the hand-over.
@@ -93,10 +96,14 @@ impl FactSink {
     }
 
     fn hand_over(&mut self) -> Result<(), ReplayError> {
+        self.send(false)
+    }
+
+    fn send(&mut self, end: bool) -> Result<(), ReplayError> {
         self.handed_over_at = std::time::Instant::now();
         let next = self.recycled.try_recv().unwrap_or_else(|_| Vec::with_capacity(BATCH_FACTS));
         let facts = std::mem::replace(&mut self.batch, next);
-        let handover = Handover { streams: std::mem::take(&mut self.streams), facts };
+        let handover = Handover { streams: std::mem::take(&mut self.streams), facts, end };
         let sent = self.to_writer.as_ref().is_some_and(|tx| tx.send(handover).is_ok());
         if !sent {
             // The writer stopped: its error says why.
@@ -122,9 +129,7 @@ impl FactSink {
     /// Hands over what is left, waits for the writer to flush every stream, and returns the
     /// report folded from exactly the facts written.
     pub fn finish(mut self) -> Result<MetricsReport, ReplayError> {
-        if !self.batch.is_empty() || !self.streams.is_empty() {
-            self.hand_over()?;
-        }
+        self.send(true)?;
         self.join()
     }
 }
@@ -136,7 +141,7 @@ impl Drop for FactSink {
         if !self.batch.is_empty() || !self.streams.is_empty() {
             let next = Vec::new();
             let facts = std::mem::replace(&mut self.batch, next);
-            let handover = Handover { streams: std::mem::take(&mut self.streams), facts };
+            let handover = Handover { streams: std::mem::take(&mut self.streams), facts, end: false };
             if let Some(tx) = self.to_writer.as_ref() {
                 let _ = tx.send(handover);
             }
@@ -155,7 +160,8 @@ fn write_batches(
     to_loop: SyncSender<Batch>,
 ) -> Result<MetricsReport, LogError> {
     let mut flushed_at = std::time::Instant::now();
-    while let Ok(Handover { streams, facts: mut batch }) = from_loop.recv() {
+    let mut clean = false;
+    while let Ok(Handover { streams, facts: mut batch, end }) = from_loop.recv() {
         for header in streams {
             metrics.add_stream(&header);
             out.declare(header)?;
@@ -166,11 +172,19 @@ fn write_batches(
         }
         // The loop may have enough spares already; then this one is simply dropped.
         let _ = to_loop.try_send(batch);
+        if end {
+            clean = true;
+            break;
+        }
         if flushed_at.elapsed() >= FLUSH_EVERY {
             out.flush_all()?;
             flushed_at = std::time::Instant::now();
         }
     }
-    out.finish()?;
+    if clean {
+        out.close()?;
+    } else {
+        out.finish()?;
+    }
     Ok(metrics.report())
 }
