@@ -11,7 +11,7 @@
 //!   handoff, and the same for request ids;
 //! - **time marks**: every [`TIME_MARK_EVERY`] records of a stream, (worker, at_ns, seq) → offset;
 //! - **checkpoints**: every [`CHECKPOINT_EVERY`] records of a segment, the per-stream fold states
-//!   of [`crate::projections::at`] (capacity snapshot, scheduler view fold, router bookings) and
+//!   of a [`CheckpointFold`] (for `at`, the per-worker fold: capacity, queues, router bookings) and
 //!   the byte offset and sequence numbers at which to resume reading;
 //! - a **fingerprint** of what it indexed: per file its length, mtime, where its last record
 //!   starts, and a crc32 of its header bytes plus its last record.

@@ -58,6 +58,9 @@ mod tests {
     fn lower_layers_do_not_import_higher_ones() {
         let rules = [
             ("events", "projections"),
+            ("events", "schedulers"),
+            ("lifecycle", "projections"),
+            ("lifecycle", "schedulers"),
             ("schedulers", "projections"),
             ("router", "projections"),
             ("projections", "schedulers"),
