@@ -380,3 +380,112 @@ fn an_overlong_line_is_an_error_not_an_allocation() {
     assert_eq!(e.to_string(), format!("big.jsonl:2: line is longer than {MAX_LINE_BYTES} bytes"));
     assert!(r.next().is_none());
 }
+
+/// Hostile input, stable: byte-mutated traces and configurations (flips, insertions, deletions,
+/// a cut) are read without a panic, and whatever fails names the file (and, for a trace, the
+/// line; for a configuration, the line and column or the key).
+mod mutated {
+    use super::fixture;
+    use handoff_ledger::adapters::replay::config::ReplayConfig;
+    use handoff_ledger::adapters::replay::trace::{TraceOptions, TraceReader};
+    use proptest::prelude::*;
+    use std::io::Cursor;
+
+    #[derive(Clone, Debug)]
+    enum Mutation {
+        Set(usize, u8),
+        Insert(usize, u8),
+        Delete(usize),
+        Cut(usize),
+    }
+
+    fn mutation() -> impl Strategy<Value = Mutation> {
+        // Bytes that matter to the parsers, and any byte at all.
+        let byte = prop_oneof![
+            Just(b'"'),
+            Just(b','),
+            Just(b'\n'),
+            Just(b'{'),
+            Just(b'}'),
+            Just(b'-'),
+            Just(b'9'),
+            Just(0xff),
+            any::<u8>()
+        ];
+        prop_oneof![
+            (any::<usize>(), byte.clone()).prop_map(|(i, b)| Mutation::Set(i, b)),
+            (any::<usize>(), byte).prop_map(|(i, b)| Mutation::Insert(i, b)),
+            any::<usize>().prop_map(Mutation::Delete),
+            any::<usize>().prop_map(Mutation::Cut),
+        ]
+    }
+
+    fn mutate(mut bytes: Vec<u8>, mutations: &[Mutation]) -> Vec<u8> {
+        for m in mutations {
+            let n = bytes.len().max(1);
+            match *m {
+                Mutation::Set(i, b) if !bytes.is_empty() => bytes[i % n] = b,
+                Mutation::Insert(i, b) => bytes.insert(i % (bytes.len() + 1), b),
+                Mutation::Delete(i) if !bytes.is_empty() => {
+                    bytes.remove(i % n);
+                }
+                Mutation::Cut(i) => bytes.truncate(i % (bytes.len() + 1)),
+                _ => {}
+            }
+        }
+        bytes
+    }
+
+    fn lines(name: &str, keep: usize) -> Vec<u8> {
+        let text = std::fs::read_to_string(fixture(name)).unwrap();
+        text.lines().take(keep).flat_map(|l| format!("{l}\n").into_bytes()).collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+        #[test]
+        fn a_mutated_trace_reads_or_fails_naming_file_and_line(
+            csv in any::<bool>(),
+            mutations in prop::collection::vec(mutation(), 1..8),
+        ) {
+            let (base, name) =
+                if csv { (lines("azure-sample.csv", 30), "m.csv") } else { (lines("mooncake-200.jsonl", 30), "m.jsonl") };
+            let bytes = mutate(base, &mutations);
+            let options = TraceOptions { format: None, speedup: 1.0 };
+            match TraceReader::new(Cursor::new(bytes), name, options) {
+                Err(e) => prop_assert!(e.to_string().starts_with(name), "{e}"),
+                Ok(reader) => {
+                    for item in reader {
+                        if let Err(e) = item {
+                            let text = e.to_string();
+                            prop_assert!(text.starts_with(&format!("{name}:")), "{text}");
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn a_mutated_configuration_parses_or_fails_naming_file_or_key(
+            mutations in prop::collection::vec(mutation(), 1..6),
+        ) {
+            let base = std::fs::read(
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs/cascade-faults.json"),
+            )
+            .unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("c.json");
+            std::fs::write(&path, mutate(base, &mutations)).unwrap();
+            match ReplayConfig::from_file(&path) {
+                Err(e) => prop_assert!(e.to_string().contains("c.json"), "{e}"),
+                Ok(cfg) => {
+                    if let Err(e) = cfg.validate() {
+                        prop_assert!(e.to_string().starts_with("invalid configuration: "), "{e}");
+                    }
+                }
+            }
+        }
+    }
+}
