@@ -143,6 +143,7 @@ impl Replay<'_> {
         let id = request.id;
         let handoff = self.mint.handoff_id();
         self.handoff_request.insert(handoff, id);
+        self.request_handoffs.entry(id).or_default().insert(handoff);
         let demand = KvHandoffDemand {
             context_tokens: request.input_tokens,
             max_output_tokens: request.output_tokens,
@@ -269,7 +270,7 @@ impl Replay<'_> {
             self.forget_handoff(h);
         } else {
             let hs: Vec<HandoffId> =
-                self.handoff_request.iter().filter(|(_, r)| **r == req).map(|(h, _)| *h).collect();
+                self.request_handoffs.get(&req).map(|s| s.iter().copied().collect()).unwrap_or_default();
             for h in hs {
                 self.forget_handoff(h);
             }
@@ -324,7 +325,14 @@ impl Replay<'_> {
                 return; // the request still runs (activated decode)
             }
         }
-        self.handoff_request.remove(&handoff);
+        if let Some(req) = self.handoff_request.remove(&handoff) {
+            if let Some(set) = self.request_handoffs.get_mut(&req) {
+                set.remove(&handoff);
+                if set.is_empty() {
+                    self.request_handoffs.remove(&req);
+                }
+            }
+        }
     }
 
     /// SGLang's bootstrap timeout: a prefill still waiting for its destination fails.

@@ -148,6 +148,10 @@ pub struct Replay<'a> {
     decode_router: Option<Router>,
     guards: BTreeMap<RequestId, Guard>,
     handoff_request: BTreeMap<HandoffId, RequestId>,
+    /// The reverse of `handoff_request`: a source released after its request ended finds the
+    /// request's handoffs here instead of scanning every live handoff (a burst made that scan
+    /// quadratic).
+    request_handoffs: BTreeMap<RequestId, std::collections::BTreeSet<HandoffId>>,
     /// Handoffs whose source pin the core has reported and not yet released.
     pinned: std::collections::BTreeSet<HandoffId>,
     /// Handoff prefills dispatched to the core and neither pinned nor ended there: like a pin,
@@ -257,6 +261,7 @@ impl<'a> Replay<'a> {
             decode_router,
             guards: BTreeMap::new(),
             handoff_request: BTreeMap::new(),
+            request_handoffs: BTreeMap::new(),
             pinned: std::collections::BTreeSet::new(),
             computing: std::collections::BTreeSet::new(),
             transfer: cfg.transfer,
