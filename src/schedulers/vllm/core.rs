@@ -544,20 +544,24 @@ impl VllmCore {
         for &b in &matched {
             self.pool.acquire(b, Owner::Active);
         }
-        let mut fresh = Vec::with_capacity(need as usize);
-        for _ in 0..need {
-            match self.pool.alloc(Owner::Active) {
-                Some(b) => fresh.push(b),
-                None => self.note_err::<String>(Err("allocation failed after capacity check".into())),
-            }
-        }
+        // Fresh blocks go straight into the sequence (no list of their own to allocate).
         let s = self.seqs.get_mut(&id)?;
         if s.blocks.is_empty() {
             s.hashed = matched.len();
             s.computed = start as u32;
         }
+        s.blocks.reserve(matched.len() + need as usize);
         s.blocks.extend(matched);
-        s.blocks.extend(fresh);
+        let mut failed = false;
+        for _ in 0..need {
+            match self.pool.alloc(Owner::Active) {
+                Some(b) => s.blocks.push(b),
+                None => failed = true,
+            }
+        }
+        if failed {
+            self.note_err::<String>(Err("allocation failed after capacity check".into()));
+        }
         let cached_tokens = start as u32;
         self.flush_removed(fx);
         let kv = self.pool.take_delta().plus(slots(1));
@@ -602,15 +606,24 @@ impl VllmCore {
             // Most decode steps: nothing to allocate and no accounting pending.
             return;
         }
-        let mut fresh = Vec::with_capacity(need as usize);
-        for _ in 0..need {
-            match self.pool.alloc(Owner::Active) {
-                Some(b) => fresh.push(b),
-                None => self.note_err::<String>(Err("growth allocation failed after capacity check".into())),
+        // Fresh blocks go straight into the sequence (no list of their own to allocate).
+        let mut failed = false;
+        if let Some(s) = self.seqs.get_mut(&id) {
+            for _ in 0..need {
+                match self.pool.alloc(Owner::Active) {
+                    Some(b) => s.blocks.push(b),
+                    None => failed = true,
+                }
+            }
+        } else {
+            for _ in 0..need {
+                if self.pool.alloc(Owner::Active).is_none() {
+                    failed = true;
+                }
             }
         }
-        if let Some(s) = self.seqs.get_mut(&id) {
-            s.blocks.extend(fresh);
+        if failed {
+            self.note_err::<String>(Err("growth allocation failed after capacity check".into()));
         }
         *step_acc = step_acc.plus(self.pool.take_delta());
         self.flush_removed(fx);
@@ -636,6 +649,7 @@ impl VllmCore {
         }
         let prefix_blocks = matched.len() as u32;
         let mut blocks = matched;
+        blocks.reserve_exact(pages as usize);
         for _ in 0..pages {
             match self.pool.alloc(Owner::Reserved) {
                 Some(b) => blocks.push(b),
