@@ -409,7 +409,8 @@ impl BlockPool {
             // A request's blocks lie anywhere in the pool: start loading the one a few
             // releases ahead (measured on the full Mooncake replay with the rekind below:
             // about 2% of wall time).
-            if let Some(blk) = i.checked_sub(RELEASE_AHEAD).and_then(|j| self.blocks.get(blocks[j] as usize)) {
+            if let Some(blk) = i.checked_sub(RELEASE_AHEAD).and_then(|j| self.blocks.get(blocks[j] as usize))
+            {
                 prefetch(blk);
             }
             let r = self.release(b, owner);
