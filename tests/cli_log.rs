@@ -595,7 +595,12 @@ fn a_run_without_its_end_markers_is_called_incomplete() {
     assert!(o.status.success(), "an incomplete run is not a damaged one");
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("incomplete run: router has no end marker"), "{text}");
-    let o = cli().arg("project").arg(&run).arg("metrics").output().unwrap();
+    for args in [vec!["project", "metrics"], vec!["inspect"]] {
+        let o = cli().arg(args[0]).arg(&run).args(&args[1..]).output().unwrap();
+        assert!(o.status.success(), "{args:?}");
+        assert!(String::from_utf8_lossy(&o.stderr).contains("warning: incomplete run: router"), "{args:?}");
+    }
+    let o = cli().arg("compare").arg(&run).output().unwrap();
     assert!(o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("warning: incomplete run: router"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("incomplete run: router"), "compare");
 }

@@ -349,6 +349,13 @@ pub fn run(args: &CompareArgs) -> Result<u8, CliError> {
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
+    for r in runs.iter().filter(|r| !r.unended.is_empty()) {
+        eprintln!(
+            "handoff-log: warning: {}: {}",
+            r.path.display(),
+            crate::cmd_verify::incomplete_text(&r.unended)
+        );
+    }
     print(args, &runs)
 }
 

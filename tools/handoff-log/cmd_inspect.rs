@@ -77,6 +77,9 @@ pub fn run(args: &InspectArgs) -> Result<u8, CliError> {
         out.line(&text(&report, &args.run))?;
     }
     out.flush()?;
+    if !report.unended.is_empty() {
+        eprintln!("handoff-log: warning: {}", crate::cmd_verify::incomplete_text(&report.unended));
+    }
     Ok(0)
 }
 

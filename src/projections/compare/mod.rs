@@ -100,6 +100,8 @@ pub struct WorkerPeak {
 #[derive(Clone, Debug, PartialEq)]
 pub struct RunSummary {
     pub path: PathBuf,
+    /// Workers whose stream lacks the end marker (the run did not end cleanly).
+    pub unended: Vec<WorkerId>,
     pub run_id: String,
     pub backend: String,
     pub policy: String,
@@ -223,6 +225,7 @@ pub fn summarize_run(
     let h0 = headers.first();
     Ok(RunSummary {
         path: path.to_path_buf(),
+        unended: run.unended(),
         run_id: h0.map(|h| h.run_id.to_string()).unwrap_or_default(),
         backend: h0.map(|h| h.backend.as_str().to_string()).unwrap_or_default(),
         policy: h0.map(|h| h.policy.as_str().to_string()).unwrap_or_default(),

@@ -333,6 +333,7 @@ impl InspectFold {
                 divergences,
                 divergences_not_shown: divergences_dropped,
             },
+            unended: Vec::new(),
         };
         (report, top)
     }

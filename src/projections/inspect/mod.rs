@@ -184,6 +184,7 @@ pub fn inspect_run(
     }
     progress(n);
     let (mut report, top) = fold.finish();
+    report.unended = run.unended();
     if top.is_empty() {
         return Ok(report);
     }

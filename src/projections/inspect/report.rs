@@ -272,4 +272,8 @@ pub struct InspectReport {
     pub longest_pinned: Vec<PinnedHandoff>,
     pub wait_breakdown: WaitBreakdown,
     pub bookings: Bookings,
+    /// Workers whose stream lacks the end marker (the run did not end cleanly). Not in the
+    /// JSON: the command says it on stderr.
+    #[serde(skip)]
+    pub unended: Vec<WorkerId>,
 }
