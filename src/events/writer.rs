@@ -163,11 +163,14 @@ impl StreamWriter<BufWriter<File>> {
         let path = path.as_ref();
         let io = |e| LogError::io(path, e);
         let mut file = OpenOptions::new().read(true).write(true).open(path).map_err(io)?;
-        let (header, next_seq, end, torn) = {
+        let (header, next_seq, end, torn, last_at_ns) = {
             let clone = file.try_clone().map_err(io)?;
             let mut reader = StreamReader::new(BufReader::with_capacity(FILE_BUFFER_BYTES, clone), path)?;
-            while reader.next_record()?.is_some() {}
-            (reader.header().clone(), reader.next_seq(), reader.offset(), reader.torn_tail())
+            let mut last_at_ns = 0;
+            while let Some(rec) = reader.next_record()? {
+                last_at_ns = rec.at_ns;
+            }
+            (reader.header().clone(), reader.next_seq(), reader.offset(), reader.torn_tail(), last_at_ns)
         };
         if torn.is_some() {
             file.set_len(end).map_err(io)?;
@@ -180,7 +183,7 @@ impl StreamWriter<BufWriter<File>> {
             header,
             scratch: Vec::with_capacity(256),
             next_seq,
-            last_at_ns: 0,
+            last_at_ns,
             bytes_written: end,
             poisoned: false,
             crc: crc32fast::Hasher::new(),

@@ -40,16 +40,21 @@ pub struct BookingFold {
     decode: BTreeMap<RequestId, DecodeBooking>,
 }
 
+/// The worker a router booking fact books, completes or frees (`None`: not a booking fact).
+pub fn booked_worker(fact: &Fact) -> Option<WorkerId> {
+    match *fact {
+        Fact::PrefillBooked { worker, .. }
+        | Fact::PrefillComputeDone { worker, .. }
+        | Fact::PrefillBookingFreed { worker, .. }
+        | Fact::DecodeBooked { worker, .. }
+        | Fact::DecodeBookingFreed { worker, .. } => Some(worker),
+        _ => None,
+    }
+}
+
 /// Whether a fact is one of the router's booking facts (the router booking sequence).
 pub fn is_booking_fact(fact: &Fact) -> bool {
-    matches!(
-        fact,
-        Fact::PrefillBooked { .. }
-            | Fact::PrefillComputeDone { .. }
-            | Fact::PrefillBookingFreed { .. }
-            | Fact::DecodeBooked { .. }
-            | Fact::DecodeBookingFreed { .. }
-    )
+    booked_worker(fact).is_some()
 }
 
 impl BookingFold {

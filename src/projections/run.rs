@@ -1,6 +1,6 @@
 //! Folds over a whole run (a directory of streams or a merged file), in merge order.
 
-use crate::events::{verify_run_with, LogError, Record, RunReader, RunSummary, StreamHeader};
+use crate::events::{verify_run_with, LogError, Record, RunLayout, RunReader, RunSummary, StreamHeader};
 use crate::ids::{Role, WorkerId};
 use crate::model::capacity::{CapacityViolation, KvCapacitySnapshot};
 use crate::model::view::SchedulerView;
@@ -59,8 +59,7 @@ impl Consistency {
 
 /// `verify` of framing and content: [`crate::events::verify_run`] with every stream folded.
 pub fn verify_consistent(path: &std::path::Path) -> Result<RunSummary, ProjectError> {
-    let headers = RunReader::open(path)?.headers().to_vec();
-    let mut consistency = Consistency::new(&headers);
+    let mut consistency = Consistency::new(&RunLayout::open(path)?.headers);
     verify_run_with(path, |i, rec| consistency.check(i, rec))
 }
 

@@ -35,8 +35,6 @@ pub struct Change {
     pub delta: KvDelta,
     /// The scheduler queues may have changed.
     pub queues: bool,
-    /// A booking fact (router stream).
-    pub booking: bool,
 }
 
 /// One stream's fold. Serializable: the index stores it in checkpoints.
@@ -114,7 +112,6 @@ impl WorkerFold {
         let mut change = Change::default();
         let mut first: Option<WorkerViolation> = None;
         if self.is_router() {
-            change.booking = crate::projections::bookings::is_booking_fact(&rec.fact);
             if let Err(e) = self.bookings.apply(&rec.fact) {
                 first = Some(e.into());
             }

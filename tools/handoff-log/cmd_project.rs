@@ -6,7 +6,7 @@ use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
 use handoff_ledger::events::RunReader;
 use handoff_ledger::lifecycle::policy::Milestone;
 use handoff_ledger::projections::run::{
-    project_capacity, project_handoffs, project_metrics, project_scheduler, Consistency,
+    project_capacity, project_handoffs, project_metrics, project_scheduler, Consistency, ProjectError,
 };
 use handoff_ledger::units::ms;
 use serde_json::json;
@@ -120,9 +120,6 @@ fn series(run: &mut RunReader, out: &mut Out, csv: bool) -> Result<(), CliError>
         changed.dedup();
         for &i in changed.iter() {
             let f = &folds[i];
-            if let Some(v) = &f.violation {
-                return Err(CliError::new(2, format!("the log contradicts itself: {v}")));
-            }
             let now = (CapacityView::from(&f.capacity), f.scheduler.view());
             if last[i].as_ref() == Some(&now) {
                 continue;
@@ -150,8 +147,8 @@ fn series(run: &mut RunReader, out: &mut Out, csv: bool) -> Result<(), CliError>
             emit(out, t, &mut changed, &folds, &mut last)?;
         }
         instant = Some(rec.at_ns);
-        // A contradiction is kept in the fold's `violation` and reported by `emit`.
-        let _ = folds[i].apply(&rec);
+        let worker = headers[i].worker;
+        folds[i].apply(&rec).map_err(|v| ProjectError::located(worker, &rec, v))?;
         changed.push(i);
     }
     if let Some(t) = instant {

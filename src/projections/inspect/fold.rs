@@ -13,7 +13,7 @@ use crate::events::{Fact, Record, RejectReason, StreamHeader};
 use crate::ids::{Role, WorkerId};
 use crate::model::capacity::KvCapacitySnapshot;
 use crate::model::view::SchedulerView;
-use crate::projections::bookings::BookingFold;
+use crate::projections::bookings::{booked_worker, BookingFold};
 use crate::projections::decode_stalls::{DecodeHolBlocking, DecodeWatch, PreemptionStorms};
 use crate::projections::run::ProjectError;
 use crate::projections::worker::{WorkerFold, WorkerViolation};
@@ -336,17 +336,5 @@ impl InspectFold {
             unended: Vec::new(),
         };
         (report, top)
-    }
-}
-
-/// The worker a router booking fact books or frees.
-fn booked_worker(fact: &Fact) -> Option<WorkerId> {
-    match *fact {
-        Fact::PrefillBooked { worker, .. }
-        | Fact::PrefillComputeDone { worker, .. }
-        | Fact::PrefillBookingFreed { worker, .. }
-        | Fact::DecodeBooked { worker, .. }
-        | Fact::DecodeBookingFreed { worker, .. } => Some(worker),
-        _ => None,
     }
 }
