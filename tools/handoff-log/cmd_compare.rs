@@ -23,6 +23,18 @@ pub struct CompareArgs {
     /// the others' differences are taken from.
     #[arg(required = true, value_name = "RUN")]
     pub runs: Vec<PathBuf>,
+    #[command(flatten)]
+    pub output: CompareOutput,
+    /// Also write an SVG: TTFT and E2E CDFs of every run, and per run its pinned and reserved
+    /// blocks over time (summed over workers).
+    #[arg(long, value_name = "FILE")]
+    pub svg: Option<PathBuf>,
+}
+
+/// What a comparison is judged against and how it prints: shared by `compare` and `sweep`,
+/// whose table is a comparison of its runs.
+#[derive(clap::Args, Clone, Copy, Debug)]
+pub struct CompareOutput {
     /// Goodput objectives, ms: any of ttft_ms, itl_ms, tpot_ms, e2e_ms, e.g.
     /// `ttft_ms=2000,itl_ms=50`. Goodput is the completed requests per second (over the run's
     /// duration) that met every one, and the share of all requests that did. itl_ms and
@@ -37,10 +49,6 @@ pub struct CompareArgs {
     /// `*_delta` and `*_delta_pct` columns).
     #[arg(long)]
     pub csv: bool,
-    /// Also write an SVG: TTFT and E2E CDFs of every run, and per run its pinned and reserved
-    /// blocks over time (summed over workers).
-    #[arg(long, value_name = "FILE")]
-    pub svg: Option<PathBuf>,
 }
 
 /// How a figure's value reads.
@@ -319,7 +327,7 @@ pub fn fold_error(path: &Path, e: ProjectError) -> CliError {
 }
 
 pub fn run(args: &CompareArgs) -> Result<u8, CliError> {
-    let opts = CompareOptions { slo: args.slo.unwrap_or_default(), ..CompareOptions::default() };
+    let opts = CompareOptions { slo: args.output.slo.unwrap_or_default(), ..CompareOptions::default() };
     let bar = std::io::stderr().is_terminal().then(|| {
         let b = ProgressBar::new_spinner();
         b.set_style(
@@ -361,7 +369,7 @@ pub fn run(args: &CompareArgs) -> Result<u8, CliError> {
 
 /// Prints runs already folded (`runs[i]` from `args.runs[i]`) as `run` does.
 pub fn print(args: &CompareArgs, runs: &[RunSummary]) -> Result<u8, CliError> {
-    let opts = CompareOptions { slo: args.slo.unwrap_or_default(), ..CompareOptions::default() };
+    let opts = CompareOptions { slo: args.output.slo.unwrap_or_default(), ..CompareOptions::default() };
     let names = names(&args.runs);
     let reasons = top_reasons(runs);
     let figs: Vec<Vec<Figure>> = runs.iter().map(|r| figures(r, &reasons)).collect();
@@ -370,12 +378,12 @@ pub fn print(args: &CompareArgs, runs: &[RunSummary]) -> Result<u8, CliError> {
             .map_err(|e| CliError::new(2, format!("{}: {e}", svg.display())))?;
     }
     let mut out = Out::new();
-    if args.json {
+    if args.output.json {
         let v = to_json(runs, &names, &figs, &opts.slo);
         out.line(
             &serde_json::to_string_pretty(&v).map_err(|e| CliError::new(2, format!("encoding JSON: {e}")))?,
         )?;
-    } else if args.csv {
+    } else if args.output.csv {
         out.line(to_csv(runs, &names, &figs).trim_end_matches('\n'))?;
     } else {
         out.line(&table(runs, &names, &figs))?;

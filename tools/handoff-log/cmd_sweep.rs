@@ -1,7 +1,7 @@
 //! `handoff-log sweep`: one replay per point of a grid of configuration values, several at a
 //! time, each into its own run directory; then the `compare` table of them.
 
-use crate::cmd_compare::{self, fold_error, CompareArgs};
+use crate::cmd_compare::{self, fold_error, CompareArgs, CompareOutput};
 use crate::cmd_replay::{open_trace, report_json, ClusterArgs};
 use crate::out::Out;
 use crate::CliError;
@@ -13,7 +13,6 @@ use handoff_ledger::adapters::replay::trace::TraceFormat;
 use handoff_ledger::events::layout::STREAM_EXTENSION;
 use handoff_ledger::events::RunReader;
 use handoff_ledger::projections::compare::{summarize_run, CompareOptions, RunSummary};
-use handoff_ledger::projections::metrics::Slo;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -63,16 +62,9 @@ pub struct SweepArgs {
     /// Replace runs of an earlier sweep in `--out`.
     #[arg(long)]
     pub force: bool,
-    /// Goodput objectives, ms (as for `replay` and `compare`): any of ttft_ms, itl_ms,
-    /// tpot_ms, e2e_ms, e.g. `ttft_ms=2000,itl_ms=50`.
-    #[arg(long, value_name = "KEY=MS,...")]
-    pub slo: Option<Slo>,
-    /// The comparison of the runs as `compare --json` prints it.
-    #[arg(long, conflicts_with = "csv")]
-    pub json: bool,
-    /// The comparison of the runs as `compare --csv` prints it.
-    #[arg(long)]
-    pub csv: bool,
+    // Goodput objectives and the table's format: compare's own flags.
+    #[command(flatten)]
+    pub output: CompareOutput,
 }
 
 /// How one replay of the sweep went.
@@ -170,10 +162,10 @@ pub fn run(args: &SweepArgs) -> Result<u8, CliError> {
         }
     }
     if !done.is_empty() {
-        let compare = CompareArgs { runs: done, slo: args.slo, json: args.json, csv: args.csv, svg: None };
+        let compare = CompareArgs { runs: done, output: args.output, svg: None };
         cmd_compare::print(&compare, &summaries)?;
     }
-    if !(args.json || args.csv) {
+    if !(args.output.json || args.output.csv) {
         let runs = |n: usize| if n == 1 { "1 run".to_string() } else { format!("{n} runs") };
         let of = if shard == Shard::WHOLE {
             String::new()
@@ -217,8 +209,11 @@ fn run_one(args: &SweepArgs, p: &PlannedRun) -> Result<Finished, CliError> {
     std::fs::create_dir_all(&dir).map_err(|e| CliError::new(2, format!("{}: {e}", dir.display())))?;
     let (trace_identity, trace) = open_trace(&args.trace, args.trace_format, p.config.arrival_speedup)?;
     let started = Instant::now();
-    let options =
-        ReplayOptions { trace: Some(trace_identity), slo: args.slo.unwrap_or_default(), per_request: None };
+    let options = ReplayOptions {
+        trace: Some(trace_identity),
+        slo: args.output.slo.unwrap_or_default(),
+        per_request: None,
+    };
     let outcome = Replay::with_options(p.config.clone(), trace, &dir, options)?.run()?;
     let wall_ms = started.elapsed().as_secs_f64() * 1e3;
     let report = dir.join(REPORT_FILE);
@@ -226,7 +221,7 @@ fn run_one(args: &SweepArgs, p: &PlannedRun) -> Result<Finished, CliError> {
     let text = serde_json::to_string_pretty(&report_json(&outcome, wall_ms, &dir, gpus)).unwrap_or_default();
     std::fs::write(&report, text + "\n")
         .map_err(|e| CliError::new(2, format!("{}: {e}", report.display())))?;
-    let opts = CompareOptions { slo: args.slo.unwrap_or_default(), ..CompareOptions::default() };
+    let opts = CompareOptions { slo: args.output.slo.unwrap_or_default(), ..CompareOptions::default() };
     let summary = summarize_run(&dir, &opts, &mut |_| {}).map_err(|e| fold_error(&dir, e))?;
     Ok(Finished {
         summary,
