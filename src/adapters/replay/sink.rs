@@ -142,12 +142,8 @@ impl Drop for FactSink {
         // An abandoned run (an error in the loop) still gets what it wrote flushed, the facts
         // not yet handed over included: a run that stopped on an error keeps its log.
         if !self.batch.is_empty() || !self.streams.is_empty() {
-            let next = Vec::new();
-            let facts = std::mem::replace(&mut self.batch, next);
-            let handover = Handover { streams: std::mem::take(&mut self.streams), facts, end: false };
-            if let Some(tx) = self.to_writer.as_ref() {
-                let _ = tx.send(handover);
-            }
+            // Without the end flag: the writer flushes what it has and writes no end marker.
+            let _ = self.send(false);
         }
         self.to_writer = None;
         if let Some(h) = self.writer.take() {
