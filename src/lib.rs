@@ -4,7 +4,7 @@
 //! Layers, bottom up: [`ids`] (identity and policy types), [`model`] (requests and block hashes,
 //! KV deltas, capacity snapshots, scheduler views), [`events`] (facts and the log),
 //! [`lifecycle`] (pure role-local handoff state machines), [`schedulers`] (sans-IO engine cores),
-//! [`router`], [`projections`] (folds over the log), [`adapters`] (the offline replay);
+//! [`router`], [`runtime`] (the sans-IO worker nodes, frontend and protocol), [`projections`] (folds over the log), [`adapters`] (the offline replay);
 //! [`units`] (time units every layer shares).
 
 pub mod adapters;
@@ -14,5 +14,6 @@ pub mod lifecycle;
 pub mod model;
 pub mod projections;
 pub mod router;
+pub mod runtime;
 pub mod schedulers;
 pub mod units;

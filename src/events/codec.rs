@@ -70,6 +70,12 @@ fn varint(out: &mut Vec<u8>, v: u64) {
     }
 }
 
+/// Decodes one value from the head of `bytes`, returning it and the bytes it used (the rest
+/// is left unread: a reader can look at a leading field before trusting the whole).
+pub fn decode_prefix<T: DeserializeOwned>(bytes: &[u8]) -> Result<(T, usize), String> {
+    bincode::serde::decode_from_slice(bytes, config()).map_err(|e| e.to_string())
+}
+
 /// Decodes one value that must fill `bytes` exactly.
 pub fn decode_exact<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
     let (value, used) = bincode::serde::decode_from_slice(bytes, config()).map_err(|e| e.to_string())?;

@@ -51,6 +51,47 @@ impl std::fmt::Debug for PromptHashCache {
     }
 }
 
+/// A request as it crosses a process boundary (the live protocol): its fields without the
+/// hash cache, which the receiver rebuilds on first use.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct WireRequest {
+    id: RequestId,
+    input_tokens: u32,
+    output_tokens: u32,
+    trace_blocks: Vec<u64>,
+    trace_block_size: u32,
+    arrival_ns: u64,
+}
+
+impl serde::Serialize for Request {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        WireRequest {
+            id: self.id,
+            input_tokens: self.input_tokens,
+            output_tokens: self.output_tokens,
+            trace_blocks: self.trace_blocks.to_vec(),
+            trace_block_size: self.trace_block_size,
+            arrival_ns: self.arrival_ns,
+        }
+        .serialize(serializer)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Request {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let w = WireRequest::deserialize(deserializer)?;
+        Ok(Request {
+            id: w.id,
+            input_tokens: w.input_tokens,
+            output_tokens: w.output_tokens,
+            trace_blocks: w.trace_blocks.into(),
+            trace_block_size: w.trace_block_size,
+            arrival_ns: w.arrival_ns,
+            hash_cache: Default::default(),
+        })
+    }
+}
+
 impl Request {
     /// A request whose prompt is shared with no other (used by traces without hash ids).
     pub fn unique(id: RequestId, input_tokens: u32, output_tokens: u32, arrival_ns: u64) -> Self {

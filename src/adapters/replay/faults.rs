@@ -21,7 +21,9 @@
 //! See `docs/faults.md` for what each kind does and which phases exist under which policy.
 
 use crate::ids::{HandoffId, HandoffPolicy, RequestId};
+use crate::lifecycle::destination::DestinationState;
 use crate::lifecycle::messages::HandoffMessage;
+use crate::lifecycle::source::SourceState;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -85,24 +87,35 @@ impl FaultPhase {
         }
     }
 
-    /// Whether the machines' states (by `state_name()`, `None` = no machine on that role) are
-    /// in this phase. `decode_routed`: the frontend has picked a decode worker.
-    pub fn holds(self, source: Option<&str>, destination: Option<&str>, decode_routed: bool) -> bool {
+    /// Whether the machines' states (`None` = no machine on that role) are in this phase.
+    /// `decode_routed`: the frontend has picked a decode worker.
+    pub fn holds(
+        self,
+        source: Option<&SourceState>,
+        destination: Option<&DestinationState>,
+        decode_routed: bool,
+    ) -> bool {
+        use DestinationState as D;
+        use SourceState as S;
+        let awaiting_reader = matches!(source, Some(S::AwaitingReaderCompletion { .. }));
         match self {
             FaultPhase::BeforeDecodeRouting => {
-                !decode_routed && destination.is_none() && matches!(source, Some("NotStarted" | "Computing"))
+                !decode_routed
+                    && destination.is_none()
+                    && matches!(source, Some(S::NotStarted | S::Computing))
             }
-            FaultPhase::AfterBookingBeforeReservation => destination == Some("Reserving") && source.is_some(),
+            FaultPhase::AfterBookingBeforeReservation => {
+                matches!(destination, Some(D::Reserving)) && source.is_some()
+            }
             FaultPhase::AfterReservation => {
-                destination == Some("Reserved")
-                    && matches!(source, Some(s) if s != "AwaitingReaderCompletion")
+                matches!(destination, Some(D::Reserved { .. })) && source.is_some() && !awaiting_reader
             }
-            FaultPhase::SourcePinned => {
-                destination == Some("Reserved") && source == Some("AwaitingReaderCompletion")
+            FaultPhase::SourcePinned => matches!(destination, Some(D::Reserved { .. })) && awaiting_reader,
+            FaultPhase::DuringTransfer => {
+                matches!(destination, Some(D::Receiving { .. })) && source.is_some()
             }
-            FaultPhase::DuringTransfer => destination == Some("Receiving") && source.is_some(),
             FaultPhase::AfterReceiveBeforeReaderCompletion => {
-                destination == Some("Active") && source == Some("AwaitingReaderCompletion")
+                matches!(destination, Some(D::Active { .. })) && awaiting_reader
             }
         }
     }
@@ -308,10 +321,6 @@ pub(crate) struct FaultState {
     pub late: BTreeMap<HandoffId, Late>,
     /// Some worker restarted: deliveries are checked against the sender's current generation.
     pub restarted: bool,
-    /// While a fault cancels several roles, request outcomes wait so that each role is ended by
-    /// its own local cause (not by the frontend reacting to the first role's failure).
-    pub deferring: bool,
-    pub deferred: Vec<RequestId>,
 }
 
 impl FaultState {
@@ -327,17 +336,6 @@ impl FaultState {
     /// A plan exists: the replay consults this state.
     pub fn active(&self) -> bool {
         !self.reports.is_empty()
-    }
-
-    /// Called when a role releases without success: true if the request's outcome must wait.
-    pub fn defer(&mut self, req: RequestId) -> bool {
-        if self.deferring {
-            if !self.deferred.contains(&req) {
-                self.deferred.push(req);
-            }
-            return true;
-        }
-        false
     }
 
     pub fn note(&mut self, fault: usize, text: String) {
@@ -367,14 +365,28 @@ mod tests {
 
     #[test]
     fn phases_are_disjoint_predicates() {
-        let sources =
-            [None, Some("NotStarted"), Some("Computing"), Some("Pinned"), Some("AwaitingReaderCompletion")];
-        let dests =
-            [None, Some("NotRouted"), Some("Reserving"), Some("Reserved"), Some("Receiving"), Some("Active")];
-        for s in sources {
-            for d in dests {
+        use crate::ids::{DestinationReservationId as R, SourceLeaseId as L};
+        let pin = (L(1), 1, 0);
+        let sources = [
+            None,
+            Some(SourceState::NotStarted),
+            Some(SourceState::Computing),
+            Some(SourceState::Pinned { lease: pin.0, blocks: pin.1, deadline_ns: pin.2 }),
+            Some(SourceState::AwaitingReaderCompletion { lease: pin.0, blocks: pin.1, deadline_ns: pin.2 }),
+        ];
+        let dests = [
+            None,
+            Some(DestinationState::NotRouted),
+            Some(DestinationState::Reserving),
+            Some(DestinationState::Reserved { reservation: R(1) }),
+            Some(DestinationState::Receiving { reservation: R(1) }),
+            Some(DestinationState::Active { reservation: R(1) }),
+        ];
+        for s in &sources {
+            for d in &dests {
                 for routed in [false, true] {
-                    let n = FaultPhase::ALL.iter().filter(|p| p.holds(s, d, routed)).count();
+                    let n =
+                        FaultPhase::ALL.iter().filter(|p| p.holds(s.as_ref(), d.as_ref(), routed)).count();
                     assert!(n <= 1, "{s:?} {d:?} {routed}: {n} phases hold at once");
                 }
             }

@@ -4,13 +4,11 @@
 //! are in `replay::scaling`.
 
 use super::simulator::Event;
-use super::worker::{Membership, Slot};
-use super::{header, make_core, Replay, ReplayError};
+use super::{header, make_core, node_config, Member, Membership, Replay, ReplayError};
 use crate::adapters::replay::scaling::{role_name, ScaledWorker, ScalingDecision};
 use crate::adapters::replay::transfer::TransferConfig;
-use crate::events::Fact;
-use crate::ids::{Generation, Role, WorkerId};
-use crate::router::Router;
+use crate::ids::{Role, WorkerId};
+use crate::runtime::WorkerNode;
 
 impl Replay<'_> {
     pub(super) fn on_planned_scale(&mut self, i: usize) -> Result<(), ReplayError> {
@@ -49,7 +47,7 @@ impl Replay<'_> {
     /// Workers of `role` that routers may select.
     fn active_count(&self, role: Role) -> u32 {
         let slots = if role == Role::Prefill { &self.prefill_slots } else { &self.decode_slots };
-        slots.iter().filter(|s| self.slots[**s].membership == Membership::Active).count() as u32
+        slots.iter().filter(|s| self.members[**s].membership == Membership::Active).count() as u32
     }
 
     /// Adds `change` workers of `role` (or takes `-change` out of routing), as far as the
@@ -105,7 +103,6 @@ impl Replay<'_> {
     /// `SessionStarted`, a lane, a NIC, and a place in its router. `None` when the role has
     /// had as many workers as a run may create.
     fn add_worker(&mut self, role: Role) -> Result<Option<WorkerId>, ReplayError> {
-        let now = self.now_ns;
         let index = if role == Role::Prefill { self.prefill_slots.len() } else { self.decode_slots.len() };
         if index >= crate::adapters::replay::config::MAX_WORKERS as usize {
             return Ok(None);
@@ -120,8 +117,9 @@ impl Replay<'_> {
             )));
         }
         self.sink.add_stream(header(self.run_id, w, &self.cfg, self.policy, shape));
-        let s = self.slots.len();
-        self.slots.push(Slot::new(w, core));
+        let s = self.nodes.len();
+        self.nodes.push(WorkerNode::new(w, core, node_config(&self.cfg, self.policy)));
+        self.members.push(Member::default());
         if self.queue.add_lane() != s {
             return Err(ReplayError::Engine(format!("{w}: its lane and slot differ")));
         }
@@ -138,33 +136,24 @@ impl Replay<'_> {
                 return Err(ReplayError::Engine(format!("{w}: its NIC and slot differ")));
             }
         }
-        self.emit(s, now, Fact::SessionStarted { generation: Generation(1) })?;
-        self.router_of(role)?
+        self.on_node(s, |n, _, r| n.start(r))?;
+        self.frontend
             .add_worker(w)
             .map_err(|e| ReplayError::Engine(format!("adding {w} to its router: {e}")))?;
         Ok(Some(w))
-    }
-
-    fn router_of(&mut self, role: Role) -> Result<&mut Router, ReplayError> {
-        match role {
-            Role::Decode => {
-                self.decode_router.as_mut().ok_or_else(|| ReplayError::Engine("no decode router".into()))
-            }
-            _ => Ok(&mut self.prefill_router),
-        }
     }
 
     /// Takes the highest-indexed worker of `role` still taking work out of routing; it leaves
     /// once drained (see [`Replay::check_leaving`]).
     fn start_leaving(&mut self, role: Role) -> Result<WorkerId, ReplayError> {
         let slots = if role == Role::Prefill { &self.prefill_slots } else { &self.decode_slots };
-        let Some(s) = slots.iter().rev().copied().find(|s| self.slots[*s].membership == Membership::Active)
+        let Some(s) = slots.iter().rev().copied().find(|s| self.members[*s].membership == Membership::Active)
         else {
             return Err(ReplayError::Engine(format!("no {} worker left to remove", role_name(role))));
         };
-        let w = self.slots[s].id;
-        self.slots[s].membership = Membership::Leaving;
-        self.router_of(role)?
+        let w = self.nodes[s].id();
+        self.members[s].membership = Membership::Leaving;
+        self.frontend
             .remove_worker(w)
             .map_err(|e| ReplayError::Engine(format!("taking {w} out of its router: {e}")))?;
         self.leaving.push(s);
@@ -177,27 +166,15 @@ impl Replay<'_> {
         let mut i = 0;
         while i < self.leaving.len() {
             let s = self.leaving[i];
-            let slot = &self.slots[s];
-            let router = if slot.id.role == Role::Decode {
-                self.decode_router.as_ref()
-            } else {
-                Some(&self.prefill_router)
-            };
-            let drained = !slot.busy
-                && slot.pending.is_none()
-                && slot.inbox.is_empty()
-                && slot.sources.is_empty()
-                && slot.destinations.is_empty()
-                && slot.core.is_drained()
-                && router.map_or(true, |r| r.load(slot.id).is_zero());
+            let node = &self.nodes[s];
+            let drained = node.holds_nothing() && self.frontend.load(node.id()).map_or(true, |l| l.is_zero());
             if !drained {
                 i += 1;
                 continue;
             }
             self.leaving.remove(i);
-            let (now, generation) = (self.now_ns, slot.generation);
-            self.emit(s, now, Fact::WorkerLeft { generation })?;
-            self.slots[s].membership = Membership::Left { at_ns: now };
+            self.on_node(s, |n, _, r| n.leave(r))?;
+            self.members[s].membership = Membership::Left { at_ns: self.now_ns };
         }
         Ok(())
     }
@@ -209,7 +186,7 @@ impl Replay<'_> {
             for w in &mut d.workers {
                 let slot = w.worker.parse::<WorkerId>().ok().map(|id| self.slot_of(id));
                 if let Some(Membership::Left { at_ns }) =
-                    slot.and_then(|s| self.slots.get(s)).map(|s| s.membership)
+                    slot.and_then(|s| self.members.get(s)).map(|m| m.membership)
                 {
                     w.left_at_ms = Some(at_ns as f64 / 1e6);
                 }

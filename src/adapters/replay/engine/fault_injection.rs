@@ -3,15 +3,12 @@
 //! (cancel, channel loss, worker restart). The plan and its phases are in `replay::faults`;
 //! what each fault models is in docs/faults.md.
 
-use super::frontend::Guard;
 use super::simulator::Event;
 use super::{Replay, ReplayError, NS_PER_MS};
 use crate::adapters::replay::faults::{FaultKind, FaultReport, Late};
-use crate::events::{Fact, TerminalStatus};
-use crate::ids::{CancelReason, Generation, HandoffId, RequestId};
-use crate::lifecycle::destination::DestinationEvent;
+use crate::events::MessageRejection;
+use crate::ids::{HandoffId, RequestId};
 use crate::lifecycle::messages::HandoffMessage;
-use crate::lifecycle::source::SourceEvent;
 
 impl Replay<'_> {
     /// Applies the fault plan to a delivery: a lost channel drops it, a message from an older
@@ -32,14 +29,13 @@ impl Replay<'_> {
             // The receiver's transport saw the sender's session end (the disconnect that told it
             // PeerLost), so anything stamped with an older generation is from a dead incarnation.
             let sender = self.slot_of(msg.from);
-            if self.slots.get(sender).is_some_and(|s| msg.generation < s.generation) {
-                let f = msg.rejected_fact(crate::events::MessageRejection::StaleGeneration);
-                self.emit(slot, self.now_ns, f)?;
+            if self.nodes.get(sender).is_some_and(|n| msg.generation < n.generation()) {
+                self.on_node(slot, |n, _, r| n.refuse(msg, MessageRejection::StaleGeneration, r))?;
                 return Ok(true);
             }
         }
         if let Some(fault) = self.faults.duplicate_next.remove(&h) {
-            let text = format!("{:?} to {} delivered twice", msg.kind(), self.slots[slot].id);
+            let text = format!("{:?} to {} delivered twice", msg.kind(), self.nodes[slot].id());
             self.faults.note(fault, text);
             self.push(self.now_ns, Event::Deliver { slot, msg });
         }
@@ -70,7 +66,7 @@ impl Replay<'_> {
                 let text = format!(
                     "{:?} to {} delivered again at t={:.3} ms, after both roles released the handoff",
                     msg.kind(),
-                    self.slots[slot].id,
+                    self.nodes[slot].id(),
                     now as f64 / 1e6
                 );
                 self.faults.note(fault, text);
@@ -87,22 +83,21 @@ impl Replay<'_> {
             let Some(pending) = self.faults.armed.get(&r).cloned() else {
                 continue;
             };
-            let (h, p, d) = match self.guards.get(&r) {
-                Some(Guard { handoff: Some(h), prefill, decode, .. }) => (*h, *prefill, *decode),
-                _ => {
-                    for i in self.faults.armed.remove(&r).unwrap_or_default() {
-                        self.faults.note(i, "the request ended before this phase".into());
-                    }
-                    continue;
+            let placement = self.frontend.placement(r);
+            let Some((h, p, d)) = placement.and_then(|p| Some((p.handoff?, p.prefill, p.decode))) else {
+                for i in self.faults.armed.remove(&r).unwrap_or_default() {
+                    self.faults.note(i, "the request ended before this phase".into());
                 }
+                continue;
             };
-            let s_state = p.and_then(|p| self.slots[p].sources.get(&h)).map(|m| m.state_name());
-            let d_state = d.and_then(|d| self.slots[d].destinations.get(&h)).map(|m| m.state_name());
+            let (p, d) = (p.map(|w| self.slot_of(w)), d.map(|w| self.slot_of(w)));
+            let s_state = p.and_then(|p| self.nodes[p].source_state(h).copied());
+            let d_state = d.and_then(|d| self.nodes[d].destination_state(h).copied());
             let mut due = Vec::new();
             let mut rest = Vec::new();
             for &i in &pending {
                 let spec = self.faults.reports[i].spec;
-                let holds = spec.phase.holds(s_state, d_state, d.is_some());
+                let holds = spec.phase.holds(s_state.as_ref(), d_state.as_ref(), d.is_some());
                 match (holds, self.faults.due_ns.get(&i).copied()) {
                     (true, None) if spec.delay_ms == 0 => due.push(i),
                     (true, None) => {
@@ -136,7 +131,7 @@ impl Replay<'_> {
 
     /// Whether any role still holds the handoff.
     fn fault_held(&self, h: HandoffId) -> bool {
-        self.slots.iter().any(|s| s.sources.contains_key(&h) || s.destinations.contains_key(&h))
+        self.nodes.iter().any(|n| n.holds(h))
     }
 
     fn fire_fault(
@@ -155,25 +150,22 @@ impl Replay<'_> {
         match spec.kind {
             FaultKind::Cancel => {
                 // The frontend's abort: the request ends canceled and both roles cancel.
-                self.terminal(request, TerminalStatus::Canceled, 0)?;
+                let mut out = self.take_front();
+                self.frontend.abort(now, request, &mut out);
+                self.carry_out_frontend(out)?;
             }
             FaultKind::ChannelLoss => {
                 self.faults.lost_channels.insert(h);
-                self.faults.deferring = true;
+                // Each role hears of the loss from its own transport before the frontend hears
+                // of either role's end.
+                self.hold();
                 let mut told = Vec::new();
-                if let Some(p) = p.filter(|p| self.slots[*p].sources.contains_key(&h)) {
-                    self.source_event(p, h, SourceEvent::Cancelled { reason: CancelReason::PeerLost })?;
-                    told.push(self.slots[p].id.to_string());
+                for s in [p, d].into_iter().flatten() {
+                    if self.on_node(s, |n, now, r| n.on_peer_lost(now, h, r))? {
+                        told.push(self.nodes[s].id().to_string());
+                    }
                 }
-                if let Some(d) = d.filter(|d| self.fault_live_destination(*d, h)) {
-                    self.destination_event(
-                        d,
-                        h,
-                        DestinationEvent::Cancelled { reason: CancelReason::PeerLost },
-                    )?;
-                    told.push(self.slots[d].id.to_string());
-                }
-                self.fault_flush()?;
+                self.release()?;
                 self.faults.note(i, format!("peer-lost delivered locally to [{}]", told.join(", ")));
             }
             FaultKind::RestartSource => match p {
@@ -194,60 +186,27 @@ impl Replay<'_> {
         Ok(())
     }
 
-    /// A destination role that still holds handoff resources. An activated destination holds
-    /// none (its reservation became ordinary decode KV), so a transport failure towards the
-    /// source does not concern it, as a late source message does not.
-    fn fault_live_destination(&self, d: usize, h: HandoffId) -> bool {
-        self.slots[d].destinations.get(&h).is_some_and(|m| m.state_name() != "Active")
-    }
-
-    /// Ends the deferral a fault opened: each request whose roles it ended now gets its outcome.
-    pub(super) fn fault_flush(&mut self) -> Result<(), ReplayError> {
-        self.faults.deferring = false;
-        for r in std::mem::take(&mut self.faults.deferred) {
-            self.fail_unless_activated(r)?;
-        }
-        Ok(())
-    }
-
     /// The worker's session ends and a new one starts: a new generation, every handoff the old
     /// one held canceled locally (`OwnerLost`, its core frees the resources), each peer told by
     /// its transport (`PeerLost`) — never by a message from the dead incarnation.
     fn restart_worker(&mut self, s: usize, fault: usize) -> Result<(), ReplayError> {
-        let now = self.now_ns;
-        let generation = Generation(self.slots[s].generation.0.saturating_add(1));
-        self.slots[s].generation = generation;
         self.faults.restarted = true;
-        self.emit(s, now, Fact::SessionStarted { generation })?;
-        self.faults.deferring = true;
-        let sources: Vec<HandoffId> = self.slots[s].sources.keys().copied().collect();
-        let destinations: Vec<HandoffId> = self.slots[s].destinations.keys().copied().collect();
+        self.hold();
+        let held = self.on_node(s, |n, now, r| n.restart(now, r))?;
         let mut peers = 0;
-        for h in &sources {
-            self.source_event(s, *h, SourceEvent::Cancelled { reason: CancelReason::OwnerLost })?;
-            for ps in 0..self.slots.len() {
-                if ps != s && self.fault_live_destination(ps, *h) {
-                    let ev = DestinationEvent::Cancelled { reason: CancelReason::PeerLost };
-                    self.destination_event(ps, *h, ev)?;
+        for h in &held {
+            for ps in (0..self.nodes.len()).filter(|ps| *ps != s) {
+                if self.on_node(ps, |n, now, r| n.on_peer_lost(now, *h, r))? {
                     peers += 1;
                 }
             }
         }
-        for h in &destinations {
-            self.destination_event(s, *h, DestinationEvent::Cancelled { reason: CancelReason::OwnerLost })?;
-            for ps in 0..self.slots.len() {
-                if ps != s && self.slots[ps].sources.contains_key(h) {
-                    self.source_event(ps, *h, SourceEvent::Cancelled { reason: CancelReason::PeerLost })?;
-                    peers += 1;
-                }
-            }
-        }
-        self.fault_flush()?;
+        self.release()?;
         let text = format!(
             "{} restarted as generation {}: {} handoff roles canceled (owner-lost), {} peer roles canceled (peer-lost)",
-            self.slots[s].id,
-            generation.0,
-            sources.len() + destinations.len(),
+            self.nodes[s].id(),
+            self.nodes[s].generation().0,
+            held.len(),
             peers
         );
         self.faults.note(fault, text);

@@ -1,10 +1,11 @@
 //! Liveness: what counts as progress, the no-progress guard, the preemption livelock watch,
 //! and the end-of-run diagnosis of what is stuck where.
 
-use super::worker::Membership;
-use super::Replay;
+use super::{Membership, Replay};
 use crate::events::Fact;
 use crate::ids::RequestId;
+use crate::lifecycle::destination::DestinationState;
+use crate::lifecycle::source::SourceState;
 
 /// A request preempted again and again, with no request on its worker finishing, pinning its
 /// prefill or getting its first token in between.
@@ -20,6 +21,23 @@ pub(super) struct PreemptionStreak {
 const LIVELOCK_PREEMPTIONS: u64 = 1000;
 
 impl Replay<'_> {
+    /// What the simulator reads of a worker's facts as it writes them: progress for the
+    /// no-progress guard, and preemption streaks for the livelock watch.
+    pub(super) fn observe(&mut self, slot: usize, fact: &Fact, at_ns: u64) {
+        if Self::is_progress(fact) {
+            self.last_progress_ns = at_ns;
+        }
+        match fact {
+            Fact::RequestPreempted { request, .. } => self.note_preemption(slot, *request, at_ns),
+            // Progress on the worker: a request finished, pinned its prefill or got its first
+            // token.
+            Fact::RequestFinished { .. } | Fact::FirstTokenEmitted { .. } | Fact::SourcePinned { .. } => {
+                self.members[slot].preemptions = None;
+            }
+            _ => {}
+        }
+    }
+
     /// Whether a fact shows the run moving. Lease renewals, their messages and refused
     /// reservation retries can repeat forever without anything changing, so they do not count.
     pub(super) fn is_progress(fact: &Fact) -> bool {
@@ -38,21 +56,22 @@ impl Replay<'_> {
     /// and no worker computing, nothing but timers that change nothing is left, so the run
     /// stops and names what keeps it alive.
     pub(super) fn check_progress(&mut self) {
-        if self.guards.is_empty() || self.slots.iter().any(|s| s.busy) || self.livelock.is_some() {
+        if self.frontend.in_flight() == 0 || self.nodes.iter().any(|n| n.is_busy()) || self.livelock.is_some()
+        {
             self.last_progress_ns = self.now_ns;
             return;
         }
         let waiting: Vec<String> = self
-            .slots
+            .nodes
             .iter()
-            .flat_map(|s| s.destinations.iter().map(move |(h, m)| (s.id, *h, m.state_name())))
+            .flat_map(|n| n.destination_roles().map(move |(h, _, state)| (n.id(), h, state.name())))
             .take(5)
             .map(|(w, h, state)| format!("{h} (destination on {w}, {state})"))
             .collect();
         self.livelock = Some(format!(
             "no progress for {:.1} s of virtual time with {} requests in flight and every worker idle: only lease renewals and refused retries happen; waiting handoffs: {}",
             self.now_ns.saturating_sub(self.last_progress_ns) as f64 / 1e9,
-            self.guards.len(),
+            self.frontend.in_flight(),
             if waiting.is_empty() { "none".to_string() } else { waiting.join(", ") }
         ));
     }
@@ -68,8 +87,7 @@ impl Replay<'_> {
     pub(super) fn note_preemption(&mut self, slot: usize, request: RequestId, at_ns: u64) {
         // The same bound as the no-progress guard's: longer than every lifecycle timeout.
         let limit_ns = self.progress_limit_ns;
-        let sl = &mut self.slots[slot];
-        let s = match &mut sl.preemptions {
+        let s = match &mut self.members[slot].preemptions {
             Some(s) if s.request == request => s,
             streak => {
                 *streak = Some(PreemptionStreak { request, since_ns: at_ns, count: 1 });
@@ -79,11 +97,11 @@ impl Replay<'_> {
         s.count += 1;
         let (count, lasted_ns) = (s.count, at_ns.saturating_sub(s.since_ns));
         if count >= LIVELOCK_PREEMPTIONS && lasted_ns > limit_ns {
-            let c = sl.core.snapshot();
-            let v = sl.core.view();
+            let node = &self.nodes[slot];
+            let (c, v) = (node.core().snapshot(), node.core().view());
             self.livelock = Some(format!(
                 "{} livelocked: {request} was preempted {count} times over {:.1} s with no request on the worker making progress; it cannot get the KV it needs while others hold theirs ({} waiting, {} running, {} waiting for remote KV; KV {} active / {} pinned / {} reserved of {} blocks)",
-                sl.id,
+                node.id(),
                 lasted_ns as f64 / 1e9,
                 v.waiting,
                 v.running,
@@ -98,58 +116,52 @@ impl Replay<'_> {
 
     pub(super) fn diagnose(&self) -> Vec<String> {
         let mut out: Vec<String> = self.livelock.iter().cloned().collect();
-        for slot in &self.slots {
-            for (h, m) in &slot.sources {
+        for (node, member) in self.nodes.iter().zip(&self.members) {
+            let w = node.id();
+            for (h, request, state) in node.source_roles() {
+                let why = match state {
+                    SourceState::NotStarted => "waiting for the destination's reservation",
+                    SourceState::Computing => "waiting for the prefill to run",
+                    SourceState::Pinned { .. } => "pinned, waiting for a destination reservation",
+                    SourceState::AwaitingReaderCompletion { .. } => "pinned, waiting for reader completion",
+                    SourceState::Released { .. } => "waiting",
+                };
+                out.push(format!("handoff {h} ({request}) source on {w} stuck in {}: {why}", state.name()));
+            }
+            for (h, request, state) in node.destination_roles() {
+                let why = match state {
+                    DestinationState::Reserving => "waiting in the reservation FIFO for capacity",
+                    DestinationState::Reserved { .. } => "reserved, waiting for the source's KV",
+                    DestinationState::Receiving { .. } => "waiting for the transfer to complete",
+                    DestinationState::Active { .. } => "decoding",
+                    DestinationState::NotRouted | DestinationState::Released { .. } => "waiting",
+                };
                 out.push(format!(
-                    "handoff {h} ({}) source on {} stuck in {}: {}",
-                    self.handoff_request.get(h).map(|r| r.to_string()).unwrap_or_default(),
-                    slot.id,
-                    m.state_name(),
-                    match m.state_name() {
-                        "NotStarted" => "waiting for the destination's reservation",
-                        "Computing" => "waiting for the prefill to run",
-                        "Pinned" => "pinned, waiting for a destination reservation",
-                        "AwaitingReaderCompletion" => "pinned, waiting for reader completion",
-                        _ => "waiting",
-                    }
+                    "handoff {h} ({request}) destination on {w} stuck in {}: {why}",
+                    state.name()
                 ));
             }
-            for (h, m) in &slot.destinations {
-                out.push(format!(
-                    "handoff {h} ({}) destination on {} stuck in {}: {}",
-                    self.handoff_request.get(h).map(|r| r.to_string()).unwrap_or_default(),
-                    slot.id,
-                    m.state_name(),
-                    match m.state_name() {
-                        "Reserving" => "waiting in the reservation FIFO for capacity",
-                        "Reserved" => "reserved, waiting for the source's KV",
-                        "Receiving" => "waiting for the transfer to complete",
-                        "Active" => "decoding",
-                        _ => "waiting",
-                    }
-                ));
+            if member.membership == Membership::Leaving {
+                out.push(format!("{w} was taken out of routing and never drained"));
             }
-            if slot.membership == Membership::Leaving {
-                out.push(format!("{} was taken out of routing and never drained", slot.id));
-            }
-            if !slot.core.is_drained() {
-                let v = slot.core.view();
-                let c = slot.core.snapshot();
+            let core = node.core();
+            if !core.is_drained() {
+                let v = core.view();
+                let c = core.snapshot();
                 out.push(format!(
-                    "{} not drained: {} waiting, {} running, {} waiting for remote KV, {} held prefills, {} pending reservations; KV {} active / {} pinned / {} reserved of {} blocks",
-                    slot.id, v.waiting, v.running, v.waiting_for_remote_kv, v.held_prefills, v.pending_reservations,
+                    "{w} not drained: {} waiting, {} running, {} waiting for remote KV, {} held prefills, {} pending reservations; KV {} active / {} pinned / {} reserved of {} blocks",
+                    v.waiting, v.running, v.waiting_for_remote_kv, v.held_prefills, v.pending_reservations,
                     c.active_blocks, c.pinned_source_blocks, c.reserved_destination_blocks, c.total_blocks
                 ));
             }
         }
-        for (r, g) in &self.guards {
-            let name =
-                |slot: Option<usize>| slot.map_or("none".to_string(), |s| self.slots[s].id.to_string());
+        for (r, p) in self.frontend.placements() {
+            let name = |w: Option<crate::ids::WorkerId>| w.map_or("none".to_string(), |w| w.to_string());
             out.push(format!(
                 "{r} never reached a terminal outcome (prefill {}, decode {}, handoff {})",
-                name(g.prefill),
-                name(g.decode),
-                g.handoff.map_or("none".to_string(), |h| h.to_string())
+                name(p.prefill),
+                name(p.decode),
+                p.handoff.map_or("none".to_string(), |h| h.to_string())
             ));
         }
         out

@@ -46,33 +46,35 @@ use crate::adapters::replay::scaling::{Planner, ScalingDecision};
 use crate::adapters::replay::sink::FactSink;
 use crate::adapters::replay::trace::{TraceError, TraceReader};
 use crate::adapters::replay::transfer::TransferConfig;
+use crate::adapters::replay::transfer::TransferModel;
 use crate::adapters::replay::workload::{Workload, WorkloadStats};
-use crate::events::{EngineShape, Fact, LogError, RunWriter, StreamHeader};
-use crate::ids::{
-    Backend, ClockDomain, Generation, HandoffId, HandoffPolicy, IdMint, RequestId, Role, WorkerId,
-};
+use crate::events::{EngineShape, LogError, RunWriter, StreamHeader};
+use crate::ids::{Backend, ClockDomain, HandoffId, HandoffPolicy, IdMint, Role, WorkerId};
 use crate::projections::compare::RunDescription;
 use crate::projections::metrics::{MetricsFold, MetricsReport, PerRequestSink, Slo};
 use crate::router::Router;
+use crate::runtime::{
+    Frontend, FrontendConfig, FrontendReady, NodeConfig, PromptTransferTime, Ready, RuntimeError, WorkerNode,
+};
 use crate::schedulers::sglang::SglangCore;
 use crate::schedulers::vllm::VllmCore;
-use crate::schedulers::{Effects, EngineCore};
-use std::collections::BTreeMap;
+use crate::schedulers::EngineCore;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
 
+mod arrivals;
 mod cluster;
 mod fault_injection;
-mod frontend;
 mod liveness;
+mod network;
 mod quiet;
-mod roles;
 mod simulator;
-mod worker;
+mod steps;
 
-use frontend::Guard;
+use liveness::PreemptionStreak;
+use network::Local;
 use quiet::QuietRuns;
 use simulator::Event;
-use worker::Slot;
 
 use crate::units::NS_PER_MS;
 
@@ -87,6 +89,12 @@ pub enum ReplayError {
     Log(#[from] LogError),
     #[error("{0}")]
     Engine(String),
+}
+
+impl From<RuntimeError> for ReplayError {
+    fn from(e: RuntimeError) -> Self {
+        ReplayError::Engine(e.0)
+    }
 }
 
 /// What a finished replay hands back.
@@ -141,24 +149,16 @@ pub struct Replay<'a> {
     now_ns: u64,
     events: u64,
     queue: EventQueue<Event>,
-    /// Drained effect buffers, handed to the next core that steps (at most one per worker).
-    spare_effects: Vec<Effects>,
-    slots: Vec<Slot>,
-    prefill_router: Router,
-    decode_router: Option<Router>,
-    guards: BTreeMap<RequestId, Guard>,
-    handoff_request: BTreeMap<HandoffId, RequestId>,
-    /// The reverse of `handoff_request`: a source released after its request ended finds the
-    /// request's handoffs here instead of scanning every live handoff (a burst made that scan
-    /// quadratic).
-    request_handoffs: BTreeMap<RequestId, std::collections::BTreeSet<HandoffId>>,
-    /// Handoffs whose source pin the core has reported and not yet released.
-    pinned: std::collections::BTreeSet<HandoffId>,
-    /// Handoff prefills dispatched to the core and neither pinned nor ended there: like a pin,
-    /// they keep the prefill booking (and the frontend's correlation) until the core lets go.
-    computing: std::collections::BTreeSet<HandoffId>,
+    /// One node per worker, by slot (join order), and the simulator's own record of each.
+    nodes: Vec<WorkerNode>,
+    members: Vec<Member>,
+    frontend: Frontend,
+    /// Frontend ↔ worker messages held while a fault tells several roles of one loss (see
+    /// `network`), and the spare output buffers of the depth-first delivery.
+    held: Option<VecDeque<Local>>,
+    spare_ready: Vec<Ready>,
+    spare_front: Vec<FrontendReady>,
     transfer: TransferConfig,
-    mint: IdMint,
     /// The run's streams and the metrics fold, behind the writer thread.
     sink: FactSink,
     /// When each trace request arrives (open loop, sessions, closed loop).
@@ -174,6 +174,7 @@ pub struct Replay<'a> {
     next_transfer_key: u64,
     tick_armed_ns: Option<u64>,
     arrivals: u64,
+    /// An arrival is due but `max_in_flight` holds it until a request ends.
     held_back: bool,
     block_size: u32,
     progress: Option<Progress<'a>>,
@@ -232,7 +233,7 @@ impl<'a> Replay<'a> {
         let run_id = identity::run_id(options.trace.as_ref(), &cfg);
         let description = identity::describe(options.trace.as_ref(), &cfg);
         let workers = starting_workers(&cfg);
-        let (slots, mut headers, block_size) = engine_slots(&workers, &cfg, run_id, policy)?;
+        let (nodes, mut headers, block_size) = engine_nodes(&workers, &cfg, run_id, policy)?;
         let contention = contention_model(&cfg, &workers)?;
         // The router has no engine: its header's free-text config says what was run (trace,
         // shape, routers, config digest), which `compare` shows.
@@ -249,23 +250,34 @@ impl<'a> Replay<'a> {
         let sink = FactSink::start(out, metrics)
             .map_err(|e| ReplayError::Engine(format!("starting the log writer thread: {e}")))?;
         let (prefill_router, decode_router) = routers(&cfg, &workers, block_size, &mut mint)?;
+        let frontend_config = FrontendConfig {
+            policy,
+            disaggregated: cfg.is_disaggregated(),
+            bootstrap_timeout_ns: cfg.bootstrap_timeout_ms * NS_PER_MS,
+            max_in_flight: cfg.max_in_flight,
+            block_size,
+            latency_samples: cfg.planner.is_some(),
+        };
+        let frontend = Frontend::new(
+            frontend_config,
+            prefill_router,
+            decode_router,
+            mint,
+            Box::new(PromptLink(cfg.transfer)),
+        );
         let (prefill_slots, decode_slots) = role_slots(&workers);
         let mut r = Replay {
             policy,
             now_ns: 0,
             events: 0,
             queue: EventQueue::new(workers.len()),
-            spare_effects: Vec::new(),
-            slots,
-            prefill_router,
-            decode_router,
-            guards: BTreeMap::new(),
-            handoff_request: BTreeMap::new(),
-            request_handoffs: BTreeMap::new(),
-            pinned: std::collections::BTreeSet::new(),
-            computing: std::collections::BTreeSet::new(),
+            members: vec![Member::default(); nodes.len()],
+            nodes,
+            frontend,
+            held: None,
+            spare_ready: Vec::new(),
+            spare_front: Vec::new(),
             transfer: cfg.transfer,
-            mint,
             sink,
             workload,
             arrival_armed_ns: None,
@@ -301,11 +313,14 @@ impl<'a> Replay<'a> {
     /// Time 0: every starting stream (the router's too) opens its session, and the first
     /// arrival, the planned changes and the planner's first tick are queued.
     fn start(&mut self) -> Result<(), ReplayError> {
-        for s in 0..self.slots.len() {
-            let g = self.slots[s].generation;
-            self.emit(s, 0, Fact::SessionStarted { generation: g })?;
+        for s in 0..self.nodes.len() {
+            let mut ready = self.take_ready();
+            self.nodes[s].start(&mut ready);
+            self.carry_out(s, ready)?;
         }
-        self.emit_router(0, Fact::SessionStarted { generation: Generation(1) })?;
+        let mut out = self.take_front();
+        self.frontend.start(&mut out);
+        self.carry_out_frontend(out)?;
         // Longer than every lifecycle timeout: by then a deadline would have moved something.
         self.progress_limit_ns = self
             .cfg
@@ -342,15 +357,15 @@ fn starting_workers(cfg: &ReplayConfig) -> Vec<WorkerId> {
     }
 }
 
-/// A slot with its engine core for each worker, the workers' stream headers, and the one
+/// A node with its engine core for each worker, the workers' stream headers, and the one
 /// block size they must share.
-fn engine_slots(
+fn engine_nodes(
     workers: &[WorkerId],
     cfg: &ReplayConfig,
     run_id: uuid::Uuid,
     policy: HandoffPolicy,
-) -> Result<(Vec<Slot>, Vec<StreamHeader>, u32), ReplayError> {
-    let mut slots = Vec::new();
+) -> Result<(Vec<WorkerNode>, Vec<StreamHeader>, u32), ReplayError> {
+    let mut nodes = Vec::new();
     let mut headers = Vec::new();
     let mut block_size = 0;
     for w in workers {
@@ -365,9 +380,50 @@ fn engine_slots(
         }
         block_size = shape.block_size;
         headers.push(header(run_id, *w, cfg, policy, shape));
-        slots.push(Slot::new(*w, core));
+        nodes.push(WorkerNode::new(*w, core, node_config(cfg, policy)));
     }
-    Ok((slots, headers, block_size))
+    Ok((nodes, headers, block_size))
+}
+
+/// What every node of the run is configured with.
+fn node_config(cfg: &ReplayConfig, policy: HandoffPolicy) -> NodeConfig {
+    NodeConfig {
+        policy,
+        lease_ns: cfg.lease_ms * NS_PER_MS,
+        reservation_ns: cfg.reservation_timeout_ms * NS_PER_MS,
+        renew_ns: cfg.lease_renew_ms.map(|ms| ms * NS_PER_MS),
+        kv_bytes_per_token: cfg.transfer.kv_bytes_per_token(),
+    }
+}
+
+/// The Disabled policy's prompt transfer, as the link models it.
+struct PromptLink(TransferConfig);
+
+impl PromptTransferTime for PromptLink {
+    fn prompt_transfer_ns(&self, input_tokens: u32) -> u64 {
+        self.0.transfer_ns(input_tokens as u64)
+    }
+}
+
+/// What the simulator keeps of each worker beside its node.
+#[derive(Clone, Copy, Debug, Default)]
+struct Member {
+    membership: Membership,
+    /// The latest run of preemptions of one request with nothing finishing on this worker
+    /// (see [`Replay::note_preemption`]).
+    preemptions: Option<PreemptionStreak>,
+}
+
+/// Where a worker stands in the cluster (see `scaling`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Membership {
+    /// Routers may select it.
+    #[default]
+    Active,
+    /// Taken out of routing; it finishes what it holds, then leaves.
+    Leaving,
+    /// Drained and gone (its stream ends with `WorkerLeft` at this instant).
+    Left { at_ns: u64 },
 }
 
 /// The NICs transfers share, one per starting worker (`None` unless contention is on with a

@@ -5,7 +5,7 @@
 use super::{Replay, ReplayError};
 use crate::events::Fact;
 use crate::ids::WorkerId;
-use crate::schedulers::{QuietDurations, QuietSteps, StepOutput};
+use crate::schedulers::{QuietDurations, QuietSteps};
 
 /// A worker in a run of quiet steps: `steps` steps from `start_ns`, the first an ordinary step
 /// already applied to the core when the run began (`first`, its only fact), the others decode
@@ -127,27 +127,9 @@ impl QuietRuns {
 }
 
 impl Replay<'_> {
-    /// A quiet run starting with the step just taken (`out`, begun at `now`), if that step
-    /// wrote one fact and no output (so the fact can wait for its boundary like the others) and
-    /// the core promises quiet steps after it.
-    pub(super) fn quiet_run(&self, s: usize, now: u64, out: &StepOutput) -> Option<QuietRun> {
-        // Cheap refusals first: this is asked after every step.
-        let [first @ Fact::StepExecuted { .. }] = out.effects.facts.as_slice() else {
-            return None;
-        };
-        if !out.effects.outputs.is_empty() {
-            return None;
-        }
-        let rest = self.slots[s].core.quiet_steps()?;
-        // A step takes time (a zero-length one is the kick loop's business).
-        let zero = match &rest.durations {
-            QuietDurations::Same(ns) => *ns == 0,
-            QuietDurations::Each(d) => d.contains(&0),
-        };
-        if zero {
-            return None;
-        }
-        Some(QuietRun::new(self.slots[s].id, now, first.clone(), out.duration_ns, rest))
+    /// The quiet run a node began at `now` (see [`StepPlan::Quiet`](crate::runtime::StepPlan)).
+    pub(super) fn quiet_run(&self, s: usize, first: Fact, first_ns: u64, rest: QuietSteps) -> QuietRun {
+        QuietRun::new(self.nodes[s].id(), self.now_ns, first, first_ns, rest)
     }
 
     /// Writes every quiet step's fact whose boundary comes before `(at_ns, rank)` in the
@@ -189,7 +171,7 @@ impl Replay<'_> {
                 q.worker, q.written, q.steps, self.now_ns
             )));
         }
-        self.slots[s].core.advance_quiet(q.steps - 1);
+        self.nodes[s].advance_quiet(q.steps - 1);
         self.sink.push(q.worker, self.now_ns, q.fact_of(q.steps))
     }
 
@@ -211,8 +193,7 @@ impl Replay<'_> {
                     q.worker, self.now_ns
                 )));
             }
-            self.slots[s].core.advance_quiet(ended - 1);
-            self.slots[s].busy = false;
+            self.nodes[s].end_quiet_free(ended - 1);
             self.queue.push_start(s, self.now_ns);
             return Ok(());
         }
@@ -223,10 +204,7 @@ impl Replay<'_> {
                 q.worker, q.written, q.steps, self.now_ns
             )));
         }
-        self.slots[s].core.advance_quiet(ended);
-        let mut fx = self.spare_effects.pop().unwrap_or_default();
-        fx.facts.push(q.fact_of(ended + 1));
-        self.slots[s].pending = Some(fx);
+        self.nodes[s].end_quiet_in_flight(ended, q.fact_of(ended + 1));
         Ok(())
     }
 }

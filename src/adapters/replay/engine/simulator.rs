@@ -2,14 +2,11 @@
 //! event, the in-process address book (worker id → slot) and the transfer model (fixed
 //! bandwidth, or NICs shared under `contention`).
 
-use super::worker::Command;
 use super::{Replay, ReplayError, ReplayOutcome};
 use crate::adapters::replay::queue::EventQueue;
-use crate::events::Fact;
 use crate::ids::{HandoffId, RequestId, Role, WorkerId};
-use crate::lifecycle::destination::DestinationEvent;
 use crate::lifecycle::messages::HandoffMessage;
-use crate::lifecycle::source::SourceEvent;
+use crate::runtime::{DeferredCommand, NodeTimer, TransferTiming};
 
 #[derive(Clone, Debug)]
 pub(super) enum Event {
@@ -18,13 +15,12 @@ pub(super) enum Event {
     /// A free worker with work starts its next step: queued to run after everything else due
     /// at its instant (see `queue`), so that requests arriving together share a step.
     StepStart(usize),
-    /// A core command; `then` are events that must wait until it is applied (messages that
-    /// follow it in the same transition: "receive completed" only once activation is done).
+    /// A node's core command, handed back at its turn (the inbox rule is the node's).
     Command {
         slot: usize,
-        command: Command,
-        then: Vec<Event>,
+        command: DeferredCommand,
     },
+    /// A handoff message from the other role's worker.
     Deliver {
         slot: usize,
         msg: HandoffMessage,
@@ -36,17 +32,10 @@ pub(super) enum Event {
     /// The NIC contention model's next instant of interest (a transfer finishing or its latency
     /// ending); stale ticks find nothing due.
     TransferTick,
-    LeaseTimer {
+    /// A node's lease, reservation or heartbeat timer.
+    Timer {
         slot: usize,
-        handoff: HandoffId,
-    },
-    ReservationTimer {
-        slot: usize,
-        handoff: HandoffId,
-    },
-    RenewTimer {
-        slot: usize,
-        handoff: HandoffId,
+        timer: NodeTimer,
     },
     BootstrapTimer {
         request: RequestId,
@@ -62,13 +51,6 @@ pub(super) enum Event {
 impl Replay<'_> {
     pub(super) fn push(&mut self, at_ns: u64, ev: Event) {
         self.queue.push(at_ns, ev);
-    }
-
-    pub(super) fn push_all(&mut self, evs: Vec<Event>) {
-        let now = self.now_ns;
-        for ev in evs {
-            self.push(now, ev);
-        }
     }
 
     /// Runs to the end of the trace and until every event is handled.
@@ -135,20 +117,18 @@ impl Replay<'_> {
             Event::Arrival => self.on_arrival()?,
             Event::StepDone(s) => self.on_step_done(s)?,
             Event::StepStart(s) => self.kick(s)?,
-            Event::Command { slot, command, then } => self.on_command(slot, command, then)?,
+            Event::Command { slot, command } => self.on_command(slot, command)?,
             Event::Deliver { slot, msg } => self.on_deliver(slot, msg)?,
             Event::TransferDone { slot, handoff } => {
-                self.destination_event(slot, handoff, DestinationEvent::ReceiveCompleted)?;
+                self.on_node(slot, |n, now, r| n.on_transfer_done(now, handoff, None, r))?;
             }
             Event::TransferTick => self.on_transfer_tick()?,
-            Event::LeaseTimer { slot, handoff } => {
-                self.source_event(slot, handoff, SourceEvent::LeaseExpired)?;
+            Event::Timer { slot, timer } => self.on_node(slot, |n, now, r| n.on_timer(now, timer, r))?,
+            Event::BootstrapTimer { request } => {
+                let mut out = self.take_front();
+                self.frontend.on_bootstrap_timer(request, &mut out);
+                self.carry_out_frontend(out)?;
             }
-            Event::ReservationTimer { slot, handoff } => {
-                self.destination_event(slot, handoff, DestinationEvent::ReservationExpired)?;
-            }
-            Event::RenewTimer { slot, handoff } => self.on_renew(slot, handoff)?,
-            Event::BootstrapTimer { request } => self.on_bootstrap_timeout(request)?,
             Event::FaultTimer => {}
             Event::Scale(i) => self.on_planned_scale(i)?,
             Event::PlannerTick => self.on_planner_tick()?,
@@ -214,14 +194,9 @@ impl Replay<'_> {
         for c in done {
             let Some((slot, handoff)) = self.transfers.remove(&c.key) else { continue };
             self.transfer_of.remove(&handoff);
-            let fact = Fact::TransferTiming {
-                handoff,
-                queued_ns: c.queued_ns,
-                latency_ns: c.latency_ns,
-                moving_ns: c.moving_ns,
-            };
-            self.emit(slot, now, fact)?;
-            self.destination_event(slot, handoff, DestinationEvent::ReceiveCompleted)?;
+            let timing =
+                TransferTiming { queued_ns: c.queued_ns, latency_ns: c.latency_ns, moving_ns: c.moving_ns };
+            self.on_node(slot, |n, now, r| n.on_transfer_done(now, handoff, Some(timing), r))?;
         }
         self.arm_transfer_tick();
         Ok(())
