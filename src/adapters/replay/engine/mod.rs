@@ -1,6 +1,7 @@
-//! The offline replay: a discrete-event loop on a virtual clock that composes per-worker engine
-//! cores, the role-local handoff state machines, the routers and an in-process transport, and
-//! writes every worker's facts to its own stream.
+//! The offline replay: a discrete-event simulator on a virtual clock around the runtime's
+//! sans-IO nodes ([`crate::runtime`]): one `WorkerNode` per worker, one `Frontend`, an
+//! in-process network between them, a transfer model and faults. Every worker's facts go to
+//! its own stream, the frontend's to the router's.
 //!
 //! ## Determinism
 //! Events are ordered by `(time, insertion sequence)`. Every id and every random choice comes
@@ -9,31 +10,24 @@
 //!
 //! ## Shape of the loop
 //! * A worker runs one step at a time. A step's facts are observed when it completes; commands
-//!   that reach a busy worker wait in its inbox and are applied between steps, as a real engine
-//!   loop applies control messages between iterations.
-//! * Cross-worker effects (messages, commands the frontend issues, transfer completions,
-//!   timers) are events, never nested calls, so no handler re-enters another.
-//! * The frontend keeps each request's guard (its workers, its handoff, whether it ended): the
-//!   router's request guard, which frees bookings exactly once at the terminal outcome. Handoff
-//!   state itself lives only in the role machines on each worker.
+//!   that reach a busy worker wait in its inbox and are applied between steps (the node's
+//!   inbox rule).
+//! * Frontend ↔ worker messages are delivered at once, depth first (`network`); handoff
+//!   messages between workers, commands handed back, timers and transfer ends are queued
+//!   events, never nested calls.
 //! * The cluster may change shape mid-run (`scaling`): a joining worker gets the next slot, a
-//!   lane and a stream of its own; a leaving one is out of routing at once and is looked at
-//!   after every event until it holds nothing, then writes `WorkerLeft`. Without a plan or a
+//!   node, a lane and a stream of its own; a leaving one is out of routing at once and is looked
+//!   at after every event until it holds nothing, then writes `WorkerLeft`. Without a plan or a
 //!   planner none of this runs.
 //! * The run ends when no event is left. Every worker must then be drained; if one is not, the
 //!   replay says which handoffs are stuck, where, and on what they wait.
 //!
 //! ## Modules
-//! `Replay` is still one struct; its methods are grouped by the part they play (issue #10
-//! separates these into nodes):
-//! * the frontend (`frontend`): arrivals, routing and bookings, request guards, the bootstrap
-//!   timer, terminal outcomes and cancel-on-terminal;
-//! * the per-worker runtime (`worker`, `roles`): steps, the inbox rule, commands into the core
-//!   and its outputs back out, and the role machines whose actions become commands, messages
-//!   and timers;
-//! * the simulator (`simulator`, `quiet`, `cluster`, `fault_injection`, `liveness`): the virtual
-//!   clock and event dispatch, transfers, quiet runs, the cluster's shape, faults, and the
-//!   guards that stop a run that cannot finish; the writer thread is `replay::sink`.
+//! What is simulator-only lives here: `simulator` (the clock, the loop, dispatch, transfers),
+//! `network` (carrying out what nodes and the frontend produced), `steps` (step boundaries and
+//! commands handed back), `arrivals` (the workload's side of the frontend), `quiet` (coalesced
+//! quiet decode steps), `cluster` (scaling), `fault_injection` and `liveness` (the guards that
+//! stop a run that cannot finish); the writer thread is `replay::sink`.
 //!
 //! This file builds a replay and holds what it hands back.
 
