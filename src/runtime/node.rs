@@ -50,6 +50,17 @@ const MAX_ZERO_STEPS: u32 = 10_000;
 /// only reached by a bug; it stops the run instead of growing without limit.
 const MAX_INBOX: usize = 1 << 20;
 
+/// Handoffs whose messages came before the frontend's start reached this node, at most; and
+/// messages kept per such handoff. Over TCP a peer can hear of a handoff (and answer) before
+/// this node does: SGLang's destination reserves and tells the source while the source's own
+/// start is still on its way. The oldest is refused when more arrive.
+const MAX_EARLY_HANDOFFS: usize = 1024;
+const MAX_EARLY_MESSAGES: usize = 16;
+
+/// Ended handoffs remembered, so that a message for one is refused at once as late rather than
+/// kept as early.
+const REMEMBERED_ENDED: usize = 1 << 16;
+
 /// What every handoff on a node is configured with.
 #[derive(Clone, Copy, Debug)]
 pub struct NodeConfig {
@@ -202,6 +213,12 @@ pub struct WorkerNode {
     computing: BTreeSet<HandoffId>,
     /// Handoffs whose source pin the core reported and has not released.
     pinned: BTreeSet<HandoffId>,
+    /// Messages for handoffs not started here yet, in arrival order of their first message.
+    early: BTreeMap<HandoffId, Vec<HandoffMessage>>,
+    early_order: VecDeque<HandoffId>,
+    /// Handoffs whose role here ended, the most recent `REMEMBERED_ENDED`.
+    ended: BTreeSet<HandoffId>,
+    ended_order: VecDeque<HandoffId>,
     /// (instant, zero-length steps in a row at it).
     zero_steps: (u64, u32),
     /// A drained effects buffer for the core's next step.
@@ -223,6 +240,10 @@ impl WorkerNode {
             destination_of: BTreeMap::new(),
             computing: BTreeSet::new(),
             pinned: BTreeSet::new(),
+            early: BTreeMap::new(),
+            early_order: VecDeque::new(),
+            ended: BTreeSet::new(),
+            ended_order: VecDeque::new(),
             zero_steps: (u64::MAX, 0),
             spare: None,
         }
@@ -468,16 +489,68 @@ impl WorkerNode {
         Ok(())
     }
 
-    /// A message from the other role of a handoff: its machine here takes it; with none, it is
-    /// rejected as for an unknown handoff.
+    /// A message from the other role of a handoff: its machine here takes it. For a handoff
+    /// that ended here it is refused as for an unknown handoff; for one not started here yet it
+    /// waits for the start (see `MAX_EARLY_HANDOFFS`).
     pub fn on_peer(&mut self, at_ns: u64, message: HandoffMessage, ready: &mut Ready) {
         let handoff = message.handoff;
         if self.sources.contains_key(&handoff) {
             self.source_event(at_ns, handoff, SourceEvent::Message(message), false, ready);
         } else if self.destinations.contains_key(&handoff) {
             self.destination_event(at_ns, handoff, DestinationEvent::Message(message), false, ready);
-        } else {
+        } else if self.ended.contains(&handoff) {
             ready.facts.push(message.rejected_fact(MessageRejection::UnknownHandoff));
+        } else {
+            self.keep_early(message, ready);
+        }
+    }
+
+    fn keep_early(&mut self, message: HandoffMessage, ready: &mut Ready) {
+        let handoff = message.handoff;
+        if let Some(kept) = self.early.get_mut(&handoff) {
+            if kept.len() < MAX_EARLY_MESSAGES {
+                kept.push(message);
+            } else {
+                ready.facts.push(message.rejected_fact(MessageRejection::UnknownHandoff));
+            }
+            return;
+        }
+        if self.early_order.len() >= MAX_EARLY_HANDOFFS {
+            if let Some(oldest) = self.early_order.pop_front() {
+                for m in self.early.remove(&oldest).unwrap_or_default() {
+                    ready.facts.push(m.rejected_fact(MessageRejection::UnknownHandoff));
+                }
+            }
+        }
+        self.early_order.push_back(handoff);
+        self.early.insert(handoff, vec![message]);
+    }
+
+    /// The messages that came before `handoff` started here, now that it has.
+    fn deliver_early(&mut self, at_ns: u64, handoff: HandoffId, ready: &mut Ready) {
+        if self.early.is_empty() {
+            return;
+        }
+        let Some(kept) = self.early.remove(&handoff) else { return };
+        self.early_order.retain(|h| *h != handoff);
+        for m in kept {
+            self.on_peer(at_ns, m, ready);
+        }
+    }
+
+    /// Messages still waiting for a start that never came (they hold no resources).
+    pub fn early_messages(&self) -> usize {
+        self.early.values().map(Vec::len).sum()
+    }
+
+    fn remember_ended(&mut self, handoff: HandoffId) {
+        if self.ended.insert(handoff) {
+            self.ended_order.push_back(handoff);
+            if self.ended_order.len() > REMEMBERED_ENDED {
+                if let Some(old) = self.ended_order.pop_front() {
+                    self.ended.remove(&old);
+                }
+            }
         }
     }
 
@@ -581,6 +654,7 @@ impl WorkerNode {
         ready.facts.extend(machine.start_facts());
         self.sources.insert(handoff, SourceRole { machine, request });
         self.source_event(at_ns, handoff, SourceEvent::Start, false, ready);
+        self.deliver_early(at_ns, handoff, ready);
         Ok(())
     }
 
@@ -617,6 +691,7 @@ impl WorkerNode {
                 .outputs
                 .push(Output::Timer { at_ns: at_ns.saturating_add(renew), timer: NodeTimer::Renew(handoff) });
         }
+        self.deliver_early(at_ns, handoff, ready);
         Ok(())
     }
 
@@ -692,6 +767,7 @@ impl WorkerNode {
         ready.outputs.append(&mut batch.outputs);
         if released {
             self.sources.remove(&handoff);
+            self.remember_ended(handoff);
             let ended = ToFrontend::RoleEnded { handoff, role: HandoffRole::Source, success, refused };
             ready.outputs.push(Output::ToFrontend(ended));
         }
@@ -754,6 +830,7 @@ impl WorkerNode {
         ready.outputs.append(&mut batch.outputs);
         if released {
             ready.outputs.push(Output::CancelTransfer { handoff });
+            self.remember_ended(handoff);
             if let Some(role) = self.destinations.remove(&handoff) {
                 if self.destination_of.get(&role.request.id) == Some(&handoff) {
                     self.destination_of.remove(&role.request.id);
