@@ -7,16 +7,13 @@ use crate::ids::{
     CancelReason, DestinationReservationId, EndReason, HandoffId, RequestId, SourceLeaseId, WorkerId,
 };
 use crate::model::capacity::KvCapacitySnapshot;
+use crate::schedulers::handoffs::{Arrival, HandoffTable, PendingReservations, ResourceIds};
 use crate::schedulers::request::{decode_block_hash, ROOT_HASH};
 use crate::schedulers::{
     CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, QuietDurations,
     QuietSteps, Request, ReservationSummary, SchedulerView, StepOutput, StepShape, TimingModel,
 };
-use std::collections::{BTreeMap, HashSet, VecDeque};
-
-/// How many ended handoffs per role the core remembers, to answer a late command with `NoOp`
-/// instead of `UnknownHandoff`. Bounded so memory follows handoffs in flight.
-const RECENT_HANDOFFS: usize = 65536;
+use std::collections::VecDeque;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
@@ -76,42 +73,10 @@ struct RequestState {
     dest: Option<DestinationInfo>,
 }
 
-#[derive(Clone, Debug)]
-struct Pending {
-    handoff: HandoffId,
-    request: Request,
-    deadline_ns: u64,
-    /// Capacity epoch of the last attempt (None: never tried).
-    last_try: Option<u64>,
-}
-
 #[derive(Clone, Copy, Debug)]
 enum DestinationEntry {
     Pending,
     Live(usize),
-}
-
-/// Remembers the last `RECENT_HANDOFFS` ended handoffs of one role.
-#[derive(Default)]
-struct Recent {
-    order: VecDeque<HandoffId>,
-    set: HashSet<HandoffId>,
-}
-
-impl Recent {
-    fn add(&mut self, h: HandoffId) {
-        if self.set.insert(h) {
-            self.order.push_back(h);
-            if self.order.len() > RECENT_HANDOFFS {
-                if let Some(old) = self.order.pop_front() {
-                    self.set.remove(&old);
-                }
-            }
-        }
-    }
-    fn contains(&self, h: &HandoffId) -> bool {
-        self.set.contains(h)
-    }
 }
 
 /// An SGLang-like engine core: pages, a radix prefix cache with lock references, a request-slot
@@ -128,11 +93,10 @@ pub struct SglangCore {
     chunking: Option<usize>,
     running: Vec<usize>,
     prebuilt: VecDeque<usize>,
-    pending: VecDeque<Pending>,
-    sources: BTreeMap<HandoffId, usize>,
-    dests: BTreeMap<HandoffId, DestinationEntry>,
-    recent_sources: Recent,
-    recent_dests: Recent,
+    pending: PendingReservations,
+    /// Handoff prefills by handoff: the key of their request.
+    sources: HandoffTable<usize>,
+    dests: HandoffTable<DestinationEntry>,
     slots_used: u32,
     headroom_tokens: u64,
     n_reserved: u32,
@@ -141,8 +105,7 @@ pub struct SglangCore {
     new_token_ratio: f64,
     /// Capacity changes other than freed pages (slots, headroom, retracted requests re-admitted).
     own_epoch: u64,
-    next_lease: u64,
-    next_reservation: u64,
+    ids: ResourceIds,
 }
 
 fn outcome_ok(o: CommandOutcome, effects: Effects) -> CommandResult {
@@ -169,19 +132,16 @@ impl SglangCore {
             chunking: None,
             running: Vec::new(),
             prebuilt: VecDeque::new(),
-            pending: VecDeque::new(),
-            sources: BTreeMap::new(),
-            dests: BTreeMap::new(),
-            recent_sources: Recent::default(),
-            recent_dests: Recent::default(),
+            pending: PendingReservations::new(),
+            sources: HandoffTable::new(),
+            dests: HandoffTable::new(),
             slots_used: 0,
             headroom_tokens: 0,
             n_reserved: 0,
             n_pinned: 0,
             retracted_waiting: 0,
             own_epoch: 0,
-            next_lease: 0,
-            next_reservation: 0,
+            ids: ResourceIds::starting_at(0),
         })
     }
 
@@ -365,12 +325,10 @@ impl SglangCore {
         }
         if let Some(d) = &r.dest {
             self.return_headroom(d.headroom);
-            self.dests.remove(&d.handoff);
-            self.recent_dests.add(d.handoff);
+            self.dests.end(d.handoff);
         }
         if let Some(s) = &r.source {
-            self.sources.remove(&s.handoff);
-            self.recent_sources.add(s.handoff);
+            self.sources.end(s.handoff);
         }
         let (request, output_tokens) = (r.request.id, r.output);
         self.emit(eff, |kv| Fact::RequestFinished { request, status, output_tokens, kv });
@@ -405,7 +363,13 @@ impl SglangCore {
     }
 
     /// One reservation attempt. On success the request is retained as a `Reserved` holder.
-    fn try_reserve(&mut self, p: &Pending, eff: &mut Effects) -> Result<(), RejectReason> {
+    fn try_reserve(
+        &mut self,
+        handoff: HandoffId,
+        r: &Request,
+        deadline_ns: u64,
+        eff: &mut Effects,
+    ) -> Result<(), RejectReason> {
         if self.slots_used >= self.cfg.max_running_requests {
             return Err(RejectReason::NoSlot);
         }
@@ -414,7 +378,6 @@ impl SglangCore {
             return Err(RejectReason::NoCapacity);
         }
         let page = self.page() as i64;
-        let r = &p.request;
         let hashes = r.prompt_block_hashes(self.page());
         let prefix = self.pool.match_prefix(&hashes, hashes.len());
         let prefix_tokens = prefix.len() as u32 * self.page();
@@ -451,16 +414,14 @@ impl SglangCore {
         req.has_slot = true;
         self.headroom_tokens += reserved as u64;
         self.pool.acc.headroom_tokens += reserved as i32;
-        let reservation = DestinationReservationId(self.next_reservation);
-        self.next_reservation += 1;
-        req.dest = Some(DestinationInfo { handoff: p.handoff, reservation, headroom: reserved as u32 });
+        let reservation = self.ids.reservation();
+        req.dest = Some(DestinationInfo { handoff, reservation, headroom: reserved as u32 });
         req.phase = Phase::Reserved;
         let request = req.request.id;
         let key = self.insert_req(req);
         self.n_reserved += 1;
-        self.dests.insert(p.handoff, DestinationEntry::Live(key));
+        self.dests.hold(handoff, DestinationEntry::Live(key));
         let prefix_blocks = prefix.len() as u32;
-        let (handoff, deadline_ns) = (p.handoff, p.deadline_ns);
         self.emit(eff, |kv| Fact::DestinationReserved {
             handoff,
             request,
@@ -483,22 +444,12 @@ impl SglangCore {
     /// Retries the FIFO head while capacity changed since its last attempt (a never-tried head
     /// is always tried). Called at the end of every command and step.
     fn retry_pending(&mut self, eff: &mut Effects) {
-        while let Some(head) = self.pending.front() {
-            let epoch = self.epoch();
-            if head.last_try == Some(epoch) {
+        while let Some(p) = self.pending.take_due(self.epoch()) {
+            if let Err(reason) = self.try_reserve(p.handoff, &p.request, p.deadline_ns, eff) {
+                let handoff = p.handoff;
+                self.pending.put_back(p, self.epoch());
+                eff.facts.push(Fact::ReservationRefused { handoff, reason });
                 return;
-            }
-            let Some(p) = self.pending.pop_front() else {
-                return;
-            };
-            match self.try_reserve(&p, eff) {
-                Ok(()) => continue,
-                Err(reason) => {
-                    let handoff = p.handoff;
-                    self.pending.push_front(Pending { last_try: Some(self.epoch()), ..p });
-                    eff.facts.push(Fact::ReservationRefused { handoff, reason });
-                    return;
-                }
             }
         }
     }
@@ -772,8 +723,7 @@ impl SglangCore {
     }
 
     fn pin_source(&mut self, key: usize, at_ns: u64, eff: &mut Effects) {
-        let lease = SourceLeaseId(self.next_lease);
-        self.next_lease += 1;
+        let lease = self.ids.lease();
         let Some(r) = self.reqs.get_mut(key).and_then(|r| r.as_mut()) else {
             return;
         };
@@ -799,18 +749,9 @@ impl SglangCore {
         }
         self.n_pinned -= 1;
         let Some(s) = r.source else { return };
-        self.sources.remove(&s.handoff);
-        self.recent_sources.add(s.handoff);
+        self.sources.end(s.handoff);
         let (handoff, lease) = (s.handoff, s.lease.unwrap_or(SourceLeaseId(u64::MAX)));
         self.emit(eff, |kv| Fact::SourceReleased { handoff, lease, reason, kv });
-    }
-
-    fn unknown_or_noop(&self, handoff: HandoffId, recent: bool, eff: Effects) -> CommandResult {
-        if recent {
-            outcome_ok(CommandOutcome::NoOp, eff)
-        } else {
-            outcome_err(CommandError::UnknownHandoff(handoff), eff)
-        }
     }
 
     /// Shared tail of every command: retry the FIFO head if capacity changed.
@@ -867,11 +808,11 @@ impl EngineCore for SglangCore {
         lease_ns: u64,
         _at_ns: u64,
     ) -> CommandResult {
-        if self.sources.contains_key(&handoff) || self.recent_sources.contains(&handoff) {
-            return outcome_err(CommandError::DuplicateHandoff(handoff), Effects::default());
+        if let Some(outcome) = self.sources.start_answer(handoff) {
+            return CommandResult { outcome, effects: Effects::default() };
         }
         if let Some(pages) = self.never_fits(request.input_tokens, 1, 0) {
-            self.recent_sources.add(handoff);
+            self.sources.refuse(handoff);
             return self.reject(request.id, pages);
         }
         let mut r = self.new_req(request, 1);
@@ -879,10 +820,10 @@ impl EngineCore for SglangCore {
         let mut eff = Effects::default();
         if self.enqueue(r, &mut eff) {
             if let Some(&k) = self.waiting.back() {
-                self.sources.insert(handoff, k);
+                self.sources.hold(handoff, k);
             }
         } else {
-            self.recent_sources.add(handoff);
+            self.sources.refuse(handoff);
         }
         self.finish_command(Ok(CommandOutcome::Applied), eff)
     }
@@ -894,15 +835,15 @@ impl EngineCore for SglangCore {
         deadline_ns: u64,
         _at_ns: u64,
     ) -> CommandResult {
-        if self.dests.contains_key(&handoff) || self.recent_dests.contains(&handoff) {
-            return outcome_err(CommandError::DuplicateHandoff(handoff), Effects::default());
+        if let Some(outcome) = self.dests.start_answer(handoff) {
+            return CommandResult { outcome, effects: Effects::default() };
         }
         let mut eff = Effects::default();
         if let Some(pages) =
             self.never_fits(request.input_tokens, request.output_tokens, self.cfg.num_reserved_decode_tokens)
         {
             eff.facts.push(Fact::ReservationRefused { handoff, reason: RejectReason::NeverFits });
-            self.recent_dests.add(handoff);
+            self.dests.refuse(handoff);
             let e = CommandError::NeverFits {
                 request: request.id,
                 needed_blocks: pages,
@@ -910,42 +851,37 @@ impl EngineCore for SglangCore {
             };
             return outcome_err(e, eff);
         }
-        let p = Pending { handoff, request, deadline_ns, last_try: None };
-        if self.pending.is_empty() {
-            match self.try_reserve(&p, &mut eff) {
+        match self.pending.arrival(self.cfg.max_pending_reservations) {
+            Arrival::TryNow => match self.try_reserve(handoff, &request, deadline_ns, &mut eff) {
                 Ok(()) => return self.finish_command(Ok(CommandOutcome::Applied), eff),
                 Err(reason) => {
-                    if self.pending.len() >= self.cfg.max_pending_reservations as usize {
-                        return self.pending_full(handoff, eff);
-                    }
                     eff.facts.push(Fact::ReservationQueued { handoff });
                     eff.facts.push(Fact::ReservationRefused { handoff, reason });
-                    self.pending.push_back(Pending { last_try: Some(self.epoch()), ..p });
-                    self.dests.insert(handoff, DestinationEntry::Pending);
+                    self.pending.push(handoff, request, deadline_ns, Some(self.epoch()));
+                    self.dests.hold(handoff, DestinationEntry::Pending);
                 }
+            },
+            Arrival::Full => return self.pending_full(handoff, eff),
+            Arrival::Queue => {
+                // FIFO: nobody overtakes the head; this one is tried when it becomes the head.
+                eff.facts.push(Fact::ReservationQueued { handoff });
+                self.pending.push(handoff, request, deadline_ns, None);
+                self.dests.hold(handoff, DestinationEntry::Pending);
             }
-        } else {
-            if self.pending.len() >= self.cfg.max_pending_reservations as usize {
-                return self.pending_full(handoff, eff);
-            }
-            // FIFO: nobody overtakes the head; this one is tried when it becomes the head.
-            eff.facts.push(Fact::ReservationQueued { handoff });
-            self.pending.push_back(p);
-            self.dests.insert(handoff, DestinationEntry::Pending);
         }
         self.finish_command(Ok(CommandOutcome::Unavailable), eff)
     }
 
     fn activate_destination(&mut self, handoff: HandoffId, _at_ns: u64) -> CommandResult {
         let eff = Effects::default();
-        let key = match self.dests.get(&handoff) {
-            None => return self.unknown_or_noop(handoff, self.recent_dests.contains(&handoff), eff),
-            Some(DestinationEntry::Pending) => {
+        let key = match self.dests.lookup(handoff) {
+            Err(outcome) => return CommandResult { outcome, effects: eff },
+            Ok(DestinationEntry::Pending) => {
                 let e =
                     CommandError::InvalidState { handoff, command: "activate_destination", state: "pending" };
                 return outcome_err(e, eff);
             }
-            Some(DestinationEntry::Live(k)) => *k,
+            Ok(DestinationEntry::Live(k)) => *k,
         };
         let Some(r) = self.req(key) else {
             return outcome_err(CommandError::UnknownHandoff(handoff), eff);
@@ -984,8 +920,9 @@ impl EngineCore for SglangCore {
 
     fn release_source(&mut self, handoff: HandoffId, reason: EndReason, _at_ns: u64) -> CommandResult {
         let mut eff = Effects::default();
-        let Some(&key) = self.sources.get(&handoff) else {
-            return self.unknown_or_noop(handoff, self.recent_sources.contains(&handoff), eff);
+        let key = match self.sources.lookup(handoff) {
+            Ok(&key) => key,
+            Err(outcome) => return CommandResult { outcome, effects: eff },
         };
         if self.req(key).map(|r| r.phase) != Some(Phase::Pinned) {
             let e = CommandError::InvalidState { handoff, command: "release_source", state: "computing" };
@@ -997,8 +934,9 @@ impl EngineCore for SglangCore {
 
     fn cancel_source(&mut self, handoff: HandoffId, reason: CancelReason, _at_ns: u64) -> CommandResult {
         let mut eff = Effects::default();
-        let Some(&key) = self.sources.get(&handoff) else {
-            return self.unknown_or_noop(handoff, self.recent_sources.contains(&handoff), eff);
+        let key = match self.sources.lookup(handoff) {
+            Ok(&key) => key,
+            Err(outcome) => return CommandResult { outcome, effects: eff },
         };
         match self.req(key).map(|r| r.phase) {
             Some(Phase::Pinned) => self.source_released(key, EndReason::Canceled(reason), &mut eff),
@@ -1013,16 +951,15 @@ impl EngineCore for SglangCore {
 
     fn cancel_destination(&mut self, handoff: HandoffId, reason: CancelReason, _at_ns: u64) -> CommandResult {
         let mut eff = Effects::default();
-        let key = match self.dests.get(&handoff) {
-            None => return self.unknown_or_noop(handoff, self.recent_dests.contains(&handoff), eff),
-            Some(DestinationEntry::Pending) => {
-                self.pending.retain(|p| p.handoff != handoff);
-                self.dests.remove(&handoff);
-                self.recent_dests.add(handoff);
+        let key = match self.dests.lookup(handoff) {
+            Err(outcome) => return CommandResult { outcome, effects: eff },
+            Ok(DestinationEntry::Pending) => {
+                self.pending.remove(handoff);
+                self.dests.end(handoff);
                 eff.facts.push(Fact::ReservationDequeued { handoff, reason });
                 return self.finish_command(Ok(CommandOutcome::Applied), eff);
             }
-            Some(DestinationEntry::Live(k)) => *k,
+            Ok(DestinationEntry::Live(k)) => *k,
         };
         match self.req(key).map(|r| r.phase) {
             Some(Phase::Reserved) => {
@@ -1042,8 +979,7 @@ impl EngineCore for SglangCore {
                     .map(|d| (d.headroom, d.reservation))
                     .unwrap_or((0, DestinationReservationId(u64::MAX)));
                 self.return_headroom(headroom);
-                self.dests.remove(&handoff);
-                self.recent_dests.add(handoff);
+                self.dests.end(handoff);
                 let reason = EndReason::Canceled(reason);
                 self.emit(&mut eff, |kv| Fact::ReservationReleased { handoff, reservation, reason, kv });
             }
@@ -1193,7 +1129,7 @@ impl EngineCore for SglangCore {
         {
             return None;
         }
-        if self.pending.front().is_some_and(|head| head.last_try != Some(self.epoch())) {
+        if self.pending.head_is_due(self.epoch()) {
             return None;
         }
         let page = self.page() as u64;
@@ -1305,7 +1241,7 @@ impl SglangCore {
     fn pending_full(&mut self, handoff: HandoffId, mut eff: Effects) -> CommandResult {
         eff.facts.push(Fact::ReservationRefused { handoff, reason: RejectReason::NoCapacity });
         eff.outputs.push(EngineOutput::ReservationFailed { handoff, reason: RejectReason::NoCapacity });
-        self.recent_dests.add(handoff);
+        self.dests.refuse(handoff);
         self.finish_command(Ok(CommandOutcome::Applied), eff)
     }
 }
