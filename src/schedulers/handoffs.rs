@@ -162,6 +162,14 @@ impl<E> HandoffTable<E> {
         self.held.remove(&handoff)
     }
 
+    /// Ends a held handoff and returns its entry; for any other, the rule's answer.
+    pub fn end_held(&mut self, handoff: HandoffId) -> Result<E, Answer> {
+        if let Err(answer) = self.lookup(handoff) {
+            return Err(answer);
+        }
+        self.end(handoff).ok_or(Err(CommandError::UnknownHandoff(handoff)))
+    }
+
     /// A start refused at once (it never held anything): remembered as ended.
     pub fn refuse(&mut self, handoff: HandoffId) {
         self.ended.add(handoff);
