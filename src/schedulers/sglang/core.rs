@@ -79,6 +79,20 @@ enum DestinationEntry {
     Live(usize),
 }
 
+/// What a prefill batch may still take, in tokens.
+struct PrefillBudget {
+    /// KV: free and evictable tokens, less what decoding requests keep back
+    /// (`new_token_ratio` × their clipped remaining output).
+    total: i64,
+    /// Prompt tokens (`max_prefill_tokens`; the batch's first request may exceed it).
+    input: i64,
+    /// Chunk tokens (`chunked_prefill_size`).
+    chunk: i64,
+}
+
+/// The chunked request's next chunk: (request key, tokens, pages to allocate).
+type Continuation = (usize, u32, u32);
+
 /// An SGLang-like engine core: pages, a radix prefix cache with lock references, a request-slot
 /// pool, `new_token_ratio` admission with retraction, chunked prefill, destination
 /// pre-allocation and source pinning.
@@ -479,18 +493,40 @@ impl SglangCore {
         done: &mut Vec<usize>,
     ) -> Option<(u32, u32)> {
         let page = self.page();
-        let mut rem_total =
-            (self.pool.available() * page as u64) as i64 - self.decode_reservation_tokens() as i64;
-        let mut rem_input = self.cfg.max_prefill_tokens as i64;
-        let mut rem_chunk = self.cfg.chunked_prefill_size as i64;
+        let mut budget = PrefillBudget {
+            total: (self.pool.available() * page as u64) as i64 - self.decode_reservation_tokens() as i64,
+            input: self.cfg.max_prefill_tokens as i64,
+            chunk: self.cfg.chunked_prefill_size as i64,
+        };
         let mut batch: Vec<(usize, u32)> = Vec::new();
+        let cont = self.plan_continuation(&mut budget);
+        self.admit_for_prefill(&mut budget, cont, &mut batch, eff);
 
-        // The request being chunked continues first; it is bounded by chunk size and by the
-        // pages physically available (not by the estimate, which it already passed).
-        let mut cont: Option<(usize, u32, u32)> = None;
+        // The continuation allocates after admissions, from the pages it was promised.
+        if let Some((k, chunk, pages)) = cont {
+            if let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) {
+                if self.pool.alloc(&mut r.holder, pages) {
+                    batch.insert(0, (k, chunk));
+                }
+            }
+        }
+        if batch.is_empty() {
+            *step_kv = step_kv.plus(self.pool.take_acc());
+            return None;
+        }
+        let tokens = self.forward_prefill(&batch, eff, done);
+        *step_kv = step_kv.plus(self.pool.take_acc());
+        Some((tokens, batch.len() as u32))
+    }
+
+    /// The request being chunked continues first: its next chunk (key, tokens, pages to
+    /// allocate), taken from `budget`. It is bounded by chunk size and by the pages physically
+    /// available (not by the estimate, which it already passed).
+    fn plan_continuation(&self, budget: &mut PrefillBudget) -> Option<Continuation> {
+        let page = self.page();
         if let Some(k) = self.chunking {
             if let Some(r) = self.req(k) {
-                let mut end = r.fill.min(r.kv_len.saturating_add(rem_chunk as u32));
+                let mut end = r.fill.min(r.kv_len.saturating_add(budget.chunk as u32));
                 if end < r.fill {
                     end = end / page * page; // a non-final chunk ends on a page boundary
                 }
@@ -504,19 +540,31 @@ impl SglangCore {
                 let chunk = end.saturating_sub(r.kv_len);
                 let pages = self.pages_for(end).saturating_sub(r.holder.pages());
                 if chunk > 0 {
-                    cont = Some((k, chunk, pages));
-                    rem_chunk -= chunk as i64;
-                    rem_input -= chunk as i64;
-                    rem_total -= pages as i64 * page as i64;
+                    budget.chunk -= chunk as i64;
+                    budget.input -= chunk as i64;
+                    budget.total -= pages as i64 * page as i64;
+                    return Some((k, chunk, pages));
                 }
             }
         }
+        None
+    }
+
+    /// Admits new (or retracted) requests into the prefill batch, FIFO, while a slot is free
+    /// and `budget` holds (after the continuation `cont`, whose pages are promised): each
+    /// locks its cached prefix, takes pages for its chunk and a slot (`RequestScheduled`).
+    fn admit_for_prefill(
+        &mut self,
+        budget: &mut PrefillBudget,
+        cont: Option<Continuation>,
+        batch: &mut Vec<(usize, u32)>,
+        eff: &mut Effects,
+    ) {
+        let page = self.page();
         let pages_promised: u64 = cont.map(|c| c.2 as u64).unwrap_or(0);
         let mut chunk_taken = self.chunking.is_some();
-
-        // New (or retracted) requests, FIFO.
         while let Some(&k) = self.waiting.front() {
-            if self.slots_used >= self.cfg.max_running_requests || rem_chunk <= 0 {
+            if self.slots_used >= self.cfg.max_running_requests || budget.chunk <= 0 {
                 break;
             }
             let clip = self.cfg.clip_max_new_tokens;
@@ -536,21 +584,21 @@ impl SglangCore {
             let future = r.target.saturating_sub(r.output).min(clip);
             let total = extend as i64 + future as i64;
             let unlocked = self.pool.unlocked_count(&prefix);
-            if total + (unlocked * page as u64) as i64 > rem_total {
+            if total + (unlocked * page as u64) as i64 > budget.total {
                 break;
             }
             let real_input = extend.div_ceil(page) * page;
             // Only the batch's first request may exceed max_prefill_tokens.
-            if real_input as i64 > rem_input && (!batch.is_empty() || cont.is_some()) {
+            if real_input as i64 > budget.input && (!batch.is_empty() || cont.is_some()) {
                 break;
             }
-            let chunk = if (extend as i64) <= rem_chunk {
+            let chunk = if (extend as i64) <= budget.chunk {
                 extend
             } else {
                 if chunk_taken {
                     break;
                 }
-                (rem_chunk as u32) / page * page
+                (budget.chunk as u32) / page * page
             };
             if chunk == 0 {
                 break;
@@ -576,39 +624,31 @@ impl SglangCore {
                 r.phase = Phase::Chunking;
                 chunk_taken = true;
                 self.chunking = Some(k);
-                rem_total -= chunk as i64;
+                budget.total -= chunk as i64;
             } else {
                 r.phase = Phase::Running;
-                rem_total -= total;
+                budget.total -= total;
             }
-            rem_total -= (unlocked * page as u64) as i64;
+            budget.total -= (unlocked * page as u64) as i64;
             if was_retracted {
                 self.retracted_waiting -= 1;
                 self.own_epoch += 1;
             }
             self.take_slot();
             self.emit(eff, |kv| Fact::RequestScheduled { request, cached_tokens: prefix_tokens, kv });
-            rem_input -= (chunk.div_ceil(page) * page) as i64;
-            rem_chunk -= chunk as i64;
+            budget.input -= (chunk.div_ceil(page) * page) as i64;
+            budget.chunk -= chunk as i64;
             batch.push((k, chunk));
         }
+    }
 
-        // The continuation allocates after admissions, from the pages it was promised.
-        if let Some((k, chunk, pages)) = cont {
-            if let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) {
-                if self.pool.alloc(&mut r.holder, pages) {
-                    batch.insert(0, (k, chunk));
-                }
-            }
-        }
-        if batch.is_empty() {
-            *step_kv = step_kv.plus(self.pool.take_acc());
-            return None;
-        }
-
-        // Forward pass: the chunk's KV becomes valid and its full pages enter the tree.
+    /// The forward pass of a prefill batch: each chunk's KV becomes valid and its full pages
+    /// enter the tree; requests whose prefill is complete go to `done`. Returns the tokens
+    /// computed.
+    fn forward_prefill(&mut self, batch: &[(usize, u32)], eff: &mut Effects, done: &mut Vec<usize>) -> u32 {
+        let page = self.page();
         let mut tokens = 0u32;
-        for &(k, chunk) in &batch {
+        for &(k, chunk) in batch {
             let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) else {
                 continue;
             };
@@ -623,8 +663,7 @@ impl SglangCore {
                 done.push(k);
             }
         }
-        *step_kv = step_kv.plus(self.pool.take_acc());
-        Some((tokens, batch.len() as u32))
+        tokens
     }
 
     /// Admits prefilled requests (Disabled policy's decode) at the head of the waiting queue,
@@ -670,6 +709,113 @@ impl SglangCore {
             self.emit(eff, |kv| Fact::RequestScheduled { request, cached_tokens, kv });
             if let Some(f) = stored {
                 eff.facts.push(f);
+            }
+        }
+    }
+
+    /// Activated destinations (the prebuilt queue) join the decode batch, with no forward pass
+    /// for them; one whose only token came from the source ends here.
+    fn join_prebuilt(&mut self, eff: &mut Effects) {
+        while let Some(k) = self.prebuilt.pop_front() {
+            let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) else {
+                continue;
+            };
+            r.phase = Phase::Running;
+            let (request, cached_tokens, finished) = (r.request.id, r.kv_len, r.output >= r.target);
+            self.emit(eff, |kv| Fact::RequestScheduled { request, cached_tokens, kv });
+            if finished {
+                self.finish(k, TerminalStatus::Completed, eff);
+            } else {
+                self.running.push(k);
+            }
+        }
+    }
+
+    /// The decode pass: retracts until every running request can grow by a token (resetting
+    /// `new_token_ratio`, or decaying it when none was retracted), then advances each by one
+    /// token. Prefilled requests' first tokens go to `first_tokens`. Returns the step's shape.
+    fn decode_pass(
+        &mut self,
+        at_ns: u64,
+        eff: &mut Effects,
+        step_kv: &mut KvDelta,
+        first_tokens: &mut Vec<RequestId>,
+    ) -> StepShape {
+        let retracted = self.retract_for_decode(at_ns, eff);
+        if retracted {
+            self.new_token_ratio = self.cfg.init_new_token_ratio;
+        } else {
+            self.decay_new_token_ratio();
+        }
+        let page = self.page();
+        let mut active_kv = 0u64;
+        for &k in &self.running {
+            let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) else {
+                continue;
+            };
+            active_kv += r.kv_len as u64;
+            if r.kv_len % page == 0 {
+                let ok = self.pool.alloc(&mut r.holder, 1);
+                debug_assert!(ok, "retraction guarantees growth pages");
+            }
+            if r.output == 0 {
+                first_tokens.push(r.request.id); // a prefilled request's first token
+            }
+            r.kv_len += 1;
+            r.output += 1;
+        }
+        *step_kv = step_kv.plus(self.pool.take_acc());
+        StepShape {
+            decode_requests: self.running.len() as u64,
+            active_kv_tokens: active_kv,
+            total_kv_tokens: self.total_tokens(),
+            ..StepShape::default()
+        }
+    }
+
+    /// The results of a prefill pass, observed at `end_ns`: a request whose prefill completed
+    /// samples its token (its first, or the one after a retraction), then a handoff prefill
+    /// pins, a finished request ends, and any other joins the decode batch.
+    fn prefill_results(&mut self, done: Vec<usize>, end_ns: u64, eff: &mut Effects) {
+        for k in done {
+            let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) else {
+                continue;
+            };
+            if self.chunking == Some(k) {
+                self.chunking = None;
+            }
+            let first = r.output == 0;
+            r.output += 1;
+            r.phase = Phase::Running;
+            let stalled = r.stalled_since_ns.take();
+            let (request, is_source, finished) = (r.request.id, r.source.is_some(), r.output >= r.target);
+            if first {
+                eff.facts.push(Fact::FirstTokenEmitted { request });
+                eff.outputs.push(EngineOutput::FirstToken { request });
+            } else if let Some(since) = stalled {
+                eff.facts.push(Fact::DecodeResumed { request, stalled_ns: end_ns.saturating_sub(since) });
+            }
+            if is_source {
+                self.pin_source(k, end_ns, eff);
+            } else if finished {
+                self.finish(k, TerminalStatus::Completed, eff);
+            } else {
+                self.running.push(k);
+            }
+        }
+    }
+
+    /// Ends the running requests that produced their last token in this decode pass.
+    fn finish_decoded(&mut self, eff: &mut Effects) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let k = self.running[i];
+            let finished = self.req(k).map(|r| r.output >= r.target).unwrap_or(true);
+            if finished {
+                self.running.swap_remove(i);
+                self.finish(k, TerminalStatus::Completed, eff);
+            } else {
+                i += 1;
             }
         }
     }
@@ -995,21 +1141,7 @@ impl EngineCore for SglangCore {
 
     fn step(&mut self, at_ns: u64) -> StepOutput {
         let mut eff = Effects::default();
-        // Activated destinations join the decode batch (no forward pass for them).
-        while let Some(k) = self.prebuilt.pop_front() {
-            let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) else {
-                continue;
-            };
-            r.phase = Phase::Running;
-            let (request, cached_tokens, finished) = (r.request.id, r.kv_len, r.output >= r.target);
-            self.emit(&mut eff, |kv| Fact::RequestScheduled { request, cached_tokens, kv });
-            if finished {
-                self.finish(k, TerminalStatus::Completed, &mut eff);
-            } else {
-                self.running.push(k);
-            }
-        }
-
+        self.join_prebuilt(&mut eff);
         self.admit_prefilled(&mut eff);
         let mut step_kv = KvDelta::ZERO;
         let mut done = Vec::new();
@@ -1020,37 +1152,8 @@ impl EngineCore for SglangCore {
             shape = StepShape { prefill_tokens: tokens as u64, ..StepShape::default() };
             (prefill_tokens, decode_tokens, batch_size) = (tokens, 0, n);
         } else if !self.running.is_empty() {
-            let retracted = self.retract_for_decode(at_ns, &mut eff);
-            if retracted {
-                self.new_token_ratio = self.cfg.init_new_token_ratio;
-            } else {
-                self.decay_new_token_ratio();
-            }
-            let page = self.page();
-            let mut active_kv = 0u64;
-            for &k in &self.running {
-                let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) else {
-                    continue;
-                };
-                active_kv += r.kv_len as u64;
-                if r.kv_len % page == 0 {
-                    let ok = self.pool.alloc(&mut r.holder, 1);
-                    debug_assert!(ok, "retraction guarantees growth pages");
-                }
-                if r.output == 0 {
-                    first_tokens.push(r.request.id); // a prefilled request's first token
-                }
-                r.kv_len += 1;
-                r.output += 1;
-            }
-            step_kv = step_kv.plus(self.pool.take_acc());
-            let n = self.running.len() as u32;
-            shape = StepShape {
-                decode_requests: n as u64,
-                active_kv_tokens: active_kv,
-                total_kv_tokens: self.total_tokens(),
-                ..StepShape::default()
-            };
+            shape = self.decode_pass(at_ns, &mut eff, &mut step_kv, &mut first_tokens);
+            let n = shape.decode_requests as u32;
             (prefill_tokens, decode_tokens, batch_size) = (0, n, n);
         } else {
             self.flush_removed(&mut eff);
@@ -1072,46 +1175,9 @@ impl EngineCore for SglangCore {
             eff.facts.push(Fact::FirstTokenEmitted { request });
             eff.outputs.push(EngineOutput::FirstToken { request });
         }
-
-        // Results of the forward pass.
-        for k in done {
-            let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) else {
-                continue;
-            };
-            if self.chunking == Some(k) {
-                self.chunking = None;
-            }
-            let first = r.output == 0;
-            r.output += 1;
-            r.phase = Phase::Running;
-            let stalled = r.stalled_since_ns.take();
-            let (request, is_source, finished) = (r.request.id, r.source.is_some(), r.output >= r.target);
-            if first {
-                eff.facts.push(Fact::FirstTokenEmitted { request });
-                eff.outputs.push(EngineOutput::FirstToken { request });
-            } else if let Some(since) = stalled {
-                eff.facts.push(Fact::DecodeResumed { request, stalled_ns: end_ns.saturating_sub(since) });
-            }
-            if is_source {
-                self.pin_source(k, end_ns, &mut eff);
-            } else if finished {
-                self.finish(k, TerminalStatus::Completed, &mut eff);
-            } else {
-                self.running.push(k);
-            }
-        }
+        self.prefill_results(done, end_ns, &mut eff);
         if decode_tokens > 0 {
-            let mut i = 0;
-            while i < self.running.len() {
-                let k = self.running[i];
-                let finished = self.req(k).map(|r| r.output >= r.target).unwrap_or(true);
-                if finished {
-                    self.running.swap_remove(i);
-                    self.finish(k, TerminalStatus::Completed, &mut eff);
-                } else {
-                    i += 1;
-                }
-            }
+            self.finish_decoded(&mut eff);
         }
         self.retry_pending(&mut eff);
         debug_assert!(self.pool.acc.is_zero(), "unattributed delta {:?}", self.pool.acc);
