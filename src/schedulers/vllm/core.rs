@@ -764,6 +764,254 @@ impl VllmCore {
         Ok(CommandOutcome::Applied)
     }
 
+    /// Step 1: gives each running request, in scheduling order, its tokens for this step
+    /// (a prefill chunk within the budget, or one decode token), preempting from the back
+    /// (LIFO) when the blocks it needs are not available. Stops at the budget's end or at a
+    /// request that cannot get its blocks. Returns whether it preempted.
+    fn schedule_running(
+        &mut self,
+        at_ns: u64,
+        budget: &mut u64,
+        scheduled: &mut Vec<Scheduled>,
+        fx: &mut Effects,
+        step_acc: &mut KvDelta,
+    ) -> bool {
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() && *budget > 0 {
+            let id = self.running[i];
+            let quiet = self.pool.is_quiet();
+            let bs = self.cfg.block_size as u64;
+            let Some(s) = self.seqs.get_mut(&id) else {
+                i += 1;
+                continue;
+            };
+            let (tokens, prefill) = if s.is_prefilling() {
+                let remaining = (s.target() - s.computed) as u64;
+                (remaining.min(*budget), true)
+            } else {
+                (1, false)
+            };
+            let kv_tokens = s.computed as u64 + tokens;
+            // Multiply before dividing: most steps need no new block.
+            let held = s.blocks.len() as u64;
+            if !prefill && kv_tokens <= held * bs && quiet {
+                // The common decode token: no block to find, nobody to preempt, no accounting
+                // pending. Compute it now (step 4 would, unchanged by anything in between) and
+                // save step 4 the lookup.
+                s.computed += 1;
+                s.generated += 1;
+                let mut flags = ADVANCED;
+                if s.generated == 1
+                    || s.generated >= s.max_output()
+                    || matches!(s.kind, SequenceKind::Source { .. })
+                {
+                    flags |= PRODUCES;
+                }
+                if s.fills_block(self.cfg.block_size) {
+                    flags |= FILLS;
+                }
+                *budget = budget.saturating_sub(1);
+                scheduled.push((id, 1, false, flags));
+                i += 1;
+                continue;
+            }
+            let need = if kv_tokens <= held * bs { 0 } else { kv_tokens.div_ceil(bs).saturating_sub(held) };
+            let mut self_preempted = false;
+            while self.pool.available() < need {
+                let Some(&victim) = self.running.last() else { break };
+                self.preempt(victim, at_ns, fx, step_acc);
+                preempted = true;
+                if victim == id {
+                    self_preempted = true;
+                    break;
+                }
+            }
+            if self_preempted || self.pool.available() < need {
+                break;
+            }
+            self.grow(id, need, fx, step_acc);
+            *budget = budget.saturating_sub(tokens);
+            scheduled.push((id, tokens, prefill, 0));
+            i += 1;
+        }
+        preempted
+    }
+
+    /// Step 2: admits waiting requests FIFO while the budget and `max_num_seqs` allow, up to
+    /// the first that does not fit (head-of-line blocking).
+    fn admit_waiting(
+        &mut self,
+        budget: &mut u64,
+        scheduled: &mut Vec<Scheduled>,
+        fx: &mut Effects,
+        step_acc: &mut KvDelta,
+    ) {
+        while *budget > 0 && self.running.len() < self.cfg.max_num_seqs as usize {
+            let Some(&id) = self.waiting.front() else { break };
+            let Some((tokens, prefill)) = self.try_admit(id, *budget, fx, step_acc) else {
+                break;
+            };
+            self.waiting.pop_front();
+            self.running.push(id);
+            *budget = budget.saturating_sub(tokens);
+            scheduled.push((id, tokens, prefill, 0));
+        }
+    }
+
+    /// Step 4: advances every scheduled request by its tokens, notes in `produced` the ones
+    /// whose token step 5 must look at, and hashes newly full blocks into `runs`. Returns the
+    /// step's (prefill, decode) tokens.
+    fn compute(
+        &mut self,
+        scheduled: &[Scheduled],
+        produced: &mut Vec<RequestId>,
+        runs: &mut Vec<(Option<BlockHash>, Vec<BlockHash>)>,
+    ) -> (u64, u64) {
+        let mut prefill_tokens = 0u64;
+        let mut decode_tokens = 0u64;
+        for &(id, tokens, prefill, flags) in scheduled {
+            if flags & ADVANCED != 0 {
+                decode_tokens += 1;
+                if flags & PRODUCES != 0 {
+                    produced.push(id);
+                }
+                if flags & FILLS != 0 {
+                    self.hash_full_blocks(id, runs);
+                }
+                continue;
+            }
+            let Some(s) = self.seqs.get_mut(&id) else { continue };
+            if prefill {
+                let target = s.target();
+                // An activated destination's one-token recompute costs a decode step, not a
+                // prefill (its KV arrived by transfer).
+                let remote_tail =
+                    matches!(s.kind, SequenceKind::Destination { .. } | SequenceKind::Prefilled)
+                        && s.generated == 0
+                        && tokens == 1
+                        && s.computed + 1 == s.prompt();
+                s.computed = s.computed.saturating_add(tokens as u32);
+                if remote_tail {
+                    decode_tokens += tokens;
+                } else {
+                    prefill_tokens += tokens;
+                }
+                if s.computed >= target {
+                    s.generated += 1;
+                    produced.push(id);
+                }
+            } else {
+                s.computed += 1;
+                s.generated += 1;
+                decode_tokens += 1;
+                // Step 5 only acts on a first token, a finished request or a terminal prefill;
+                // a decode token in the middle of a request needs nothing there.
+                if s.generated == 1
+                    || s.generated >= s.max_output()
+                    || matches!(s.kind, SequenceKind::Source { .. })
+                {
+                    produced.push(id);
+                }
+            }
+            if s.fills_block(self.cfg.block_size) {
+                self.hash_full_blocks(id, runs);
+            }
+        }
+        (prefill_tokens, decode_tokens)
+    }
+
+    /// The modeled duration of a step that computed these tokens.
+    fn step_duration(&mut self, prefill_tokens: u64, decode_tokens: u64) -> u64 {
+        let bs = self.bs() as u64;
+        let shape = StepShape {
+            prefill_tokens,
+            decode_requests: decode_tokens,
+            active_kv_tokens: self.pool.active_blocks() * bs,
+            total_kv_tokens: self.pool.total() * bs,
+        };
+        // Decode-only steps repeat their shape for many steps in a row (KV usage moves in whole
+        // blocks): reuse the last such step's duration when the shape is the same.
+        match self.last_decode_timing {
+            Some((active, ns))
+                if shape.prefill_tokens == 0
+                    && shape.decode_requests > 0
+                    && active == shape.active_kv_tokens =>
+            {
+                ns
+            }
+            _ => {
+                let ns = self.cfg.timing.step_ns(&shape);
+                if shape.prefill_tokens == 0 && shape.decode_requests > 0 {
+                    self.last_decode_timing = Some((shape.active_kv_tokens, ns));
+                }
+                ns
+            }
+        }
+    }
+
+    /// Step 5: what the produced tokens mean, observed at `end_ns`: first tokens (or a decode
+    /// resumed after preemption), a handoff prefill's pin, completions. Requests that leave
+    /// the running set go in one pass at the end.
+    fn deliver_produced(&mut self, produced: &[RequestId], end_ns: u64, fx: &mut Effects) {
+        let mut left_running = false;
+        for &id in produced {
+            let Some(s) = self.seqs.get(&id) else { continue };
+            let first = s.generated == 1;
+            let kind = s.kind;
+            let done = s.generated >= s.max_output();
+            if first {
+                fx.facts.push(Fact::FirstTokenEmitted { request: id });
+                fx.outputs.push(EngineOutput::FirstToken { request: id });
+            } else if let Some(since) = s.stalled_since_ns {
+                let stalled_ns = end_ns.saturating_sub(since);
+                fx.facts.push(Fact::DecodeResumed { request: id, stalled_ns });
+                if let Some(s) = self.seqs.get_mut(&id) {
+                    s.stalled_since_ns = None;
+                }
+            }
+            match kind {
+                SequenceKind::Source { handoff, lease_ns } => {
+                    self.pin_source(id, handoff, lease_ns, end_ns, fx);
+                    left_running = true;
+                }
+                _ if done => {
+                    self.end_request_inner(id, TerminalStatus::Completed, fx, true);
+                    left_running = true;
+                }
+                _ => {}
+            }
+        }
+        if left_running {
+            let seqs = &self.seqs;
+            self.running.retain(|r| seqs.contains_key(r));
+        }
+    }
+
+    /// A handoff prefill's terminal step: its blocks become held-prefill ownership in one
+    /// transition (no completion), and it leaves the running set.
+    fn pin_source(
+        &mut self,
+        id: RequestId,
+        handoff: HandoffId,
+        lease_ns: u64,
+        end_ns: u64,
+        fx: &mut Effects,
+    ) {
+        let Some(s) = self.seqs.remove(&id) else { return };
+        let r = self.pool.rekind_all(&s.blocks, Owner::Active, Owner::Pinned);
+        self.note_err(r);
+        self.live.remove(&id);
+        let lease = self.ids.lease();
+        let deadline_ns = end_ns.saturating_add(lease_ns);
+        let blocks = s.blocks.len() as u32;
+        let kv = self.pool.take_delta().plus(slots(-1));
+        fx.facts.push(Fact::SourcePinned { handoff, request: id, lease, blocks, deadline_ns, kv });
+        fx.outputs.push(EngineOutput::SourcePinned { handoff, request: id, lease, blocks, deadline_ns });
+        self.sources.hold(handoff, SourceEntry::Pinned { lease, blocks: s.blocks });
+        self.pinned += 1;
+    }
+
     /// Recounts every block's owner references from the core's own owners (requests, pins,
     /// reservations), derives each class by the precedence rule, and checks them against the
     /// pool's counters and structures.
@@ -1105,80 +1353,13 @@ impl EngineCore for VllmCore {
         let mut budget = self.cfg.max_num_batched_tokens as u64;
         let mut scheduled = std::mem::take(&mut self.scratch_scheduled);
         scheduled.clear();
-        let mut preempted = false;
 
         // 1. Running requests, in scheduling order; make room by preempting from the back.
-        let mut i = 0;
-        while i < self.running.len() && budget > 0 {
-            let id = self.running[i];
-            let quiet = self.pool.is_quiet();
-            let bs = self.cfg.block_size as u64;
-            let Some(s) = self.seqs.get_mut(&id) else {
-                i += 1;
-                continue;
-            };
-            let (tokens, prefill) = if s.is_prefilling() {
-                let remaining = (s.target() - s.computed) as u64;
-                (remaining.min(budget), true)
-            } else {
-                (1, false)
-            };
-            let kv_tokens = s.computed as u64 + tokens;
-            // Multiply before dividing: most steps need no new block.
-            let held = s.blocks.len() as u64;
-            if !prefill && kv_tokens <= held * bs && quiet {
-                // The common decode token: no block to find, nobody to preempt, no accounting
-                // pending. Compute it now (step 4 would, unchanged by anything in between) and
-                // save step 4 the lookup.
-                s.computed += 1;
-                s.generated += 1;
-                let mut flags = ADVANCED;
-                if s.generated == 1
-                    || s.generated >= s.max_output()
-                    || matches!(s.kind, SequenceKind::Source { .. })
-                {
-                    flags |= PRODUCES;
-                }
-                if s.fills_block(self.cfg.block_size) {
-                    flags |= FILLS;
-                }
-                budget = budget.saturating_sub(1);
-                scheduled.push((id, 1, false, flags));
-                i += 1;
-                continue;
-            }
-            let need = if kv_tokens <= held * bs { 0 } else { kv_tokens.div_ceil(bs).saturating_sub(held) };
-            let mut self_preempted = false;
-            while self.pool.available() < need {
-                let Some(&victim) = self.running.last() else { break };
-                self.preempt(victim, at_ns, &mut fx, &mut step_acc);
-                preempted = true;
-                if victim == id {
-                    self_preempted = true;
-                    break;
-                }
-            }
-            if self_preempted || self.pool.available() < need {
-                break;
-            }
-            self.grow(id, need, &mut fx, &mut step_acc);
-            budget = budget.saturating_sub(tokens);
-            scheduled.push((id, tokens, prefill, 0));
-            i += 1;
-        }
+        let preempted = self.schedule_running(at_ns, &mut budget, &mut scheduled, &mut fx, &mut step_acc);
 
         // 2. Waiting requests, FIFO, unless this step preempted (vLLM does not admit then).
         if !preempted {
-            while budget > 0 && self.running.len() < self.cfg.max_num_seqs as usize {
-                let Some(&id) = self.waiting.front() else { break };
-                let Some((tokens, prefill)) = self.try_admit(id, budget, &mut fx, &mut step_acc) else {
-                    break;
-                };
-                self.waiting.pop_front();
-                self.running.push(id);
-                budget = budget.saturating_sub(tokens);
-                scheduled.push((id, tokens, prefill, 0));
-            }
+            self.admit_waiting(&mut budget, &mut scheduled, &mut fx, &mut step_acc);
         }
 
         // 3. Liveness: nothing runs and the head is blocked. Waiting requests that hold KV
@@ -1197,85 +1378,12 @@ impl EngineCore for VllmCore {
         }
 
         // 4. Compute: advance tokens, hash and publish newly full blocks.
-        let mut prefill_tokens = 0u64;
-        let mut decode_tokens = 0u64;
         let mut produced = std::mem::take(&mut self.scratch_produced);
         produced.clear();
         let mut runs = Vec::new();
-        for &(id, tokens, prefill, flags) in &scheduled {
-            if flags & ADVANCED != 0 {
-                decode_tokens += 1;
-                if flags & PRODUCES != 0 {
-                    produced.push(id);
-                }
-                if flags & FILLS != 0 {
-                    self.hash_full_blocks(id, &mut runs);
-                }
-                continue;
-            }
-            let Some(s) = self.seqs.get_mut(&id) else { continue };
-            if prefill {
-                let target = s.target();
-                // An activated destination's one-token recompute costs a decode step, not a
-                // prefill (its KV arrived by transfer).
-                let remote_tail =
-                    matches!(s.kind, SequenceKind::Destination { .. } | SequenceKind::Prefilled)
-                        && s.generated == 0
-                        && tokens == 1
-                        && s.computed + 1 == s.prompt();
-                s.computed = s.computed.saturating_add(tokens as u32);
-                if remote_tail {
-                    decode_tokens += tokens;
-                } else {
-                    prefill_tokens += tokens;
-                }
-                if s.computed >= target {
-                    s.generated += 1;
-                    produced.push(id);
-                }
-            } else {
-                s.computed += 1;
-                s.generated += 1;
-                decode_tokens += 1;
-                // Step 5 only acts on a first token, a finished request or a terminal prefill;
-                // a decode token in the middle of a request needs nothing there.
-                if s.generated == 1
-                    || s.generated >= s.max_output()
-                    || matches!(s.kind, SequenceKind::Source { .. })
-                {
-                    produced.push(id);
-                }
-            }
-            if s.fills_block(self.cfg.block_size) {
-                self.hash_full_blocks(id, &mut runs);
-            }
-        }
+        let (prefill_tokens, decode_tokens) = self.compute(&scheduled, &mut produced, &mut runs);
         step_acc = step_acc.plus(self.pool.take_delta());
-        let bs = self.bs() as u64;
-        let shape = StepShape {
-            prefill_tokens,
-            decode_requests: decode_tokens,
-            active_kv_tokens: self.pool.active_blocks() * bs,
-            total_kv_tokens: self.pool.total() * bs,
-        };
-        // Decode-only steps repeat their shape for many steps in a row (KV usage moves in whole
-        // blocks): reuse the last such step's duration when the shape is the same.
-        let duration_ns = match self.last_decode_timing {
-            Some((active, ns))
-                if shape.prefill_tokens == 0
-                    && shape.decode_requests > 0
-                    && active == shape.active_kv_tokens =>
-            {
-                ns
-            }
-            _ => {
-                let ns = self.cfg.timing.step_ns(&shape);
-                if shape.prefill_tokens == 0 && shape.decode_requests > 0 {
-                    self.last_decode_timing = Some((shape.active_kv_tokens, ns));
-                }
-                ns
-            }
-        };
+        let duration_ns = self.step_duration(prefill_tokens, decode_tokens);
         fx.facts.push(Fact::StepExecuted {
             prefill_tokens: prefill_tokens as u32,
             decode_tokens: decode_tokens as u32,
@@ -1286,64 +1394,7 @@ impl EngineCore for VllmCore {
         Self::push_stored(&mut fx, runs);
 
         // 5. Tokens produced: first tokens, pins, completions.
-        let end_ns = at_ns.saturating_add(duration_ns);
-        let mut left_running = false;
-        for &id in &produced {
-            let Some(s) = self.seqs.get(&id) else { continue };
-            let first = s.generated == 1;
-            let kind = s.kind;
-            let done = s.generated >= s.max_output();
-            if first {
-                fx.facts.push(Fact::FirstTokenEmitted { request: id });
-                fx.outputs.push(EngineOutput::FirstToken { request: id });
-            } else if let Some(since) = s.stalled_since_ns {
-                let stalled_ns = end_ns.saturating_sub(since);
-                fx.facts.push(Fact::DecodeResumed { request: id, stalled_ns });
-                if let Some(s) = self.seqs.get_mut(&id) {
-                    s.stalled_since_ns = None;
-                }
-            }
-            match kind {
-                SequenceKind::Source { handoff, lease_ns } => {
-                    // Terminal prefill → held-prefill ownership, one transition, no completion.
-                    let Some(s) = self.seqs.remove(&id) else { continue };
-                    let r = self.pool.rekind_all(&s.blocks, Owner::Active, Owner::Pinned);
-                    self.note_err(r);
-                    left_running = true;
-                    self.live.remove(&id);
-                    let lease = self.ids.lease();
-                    let deadline_ns = end_ns.saturating_add(lease_ns);
-                    let blocks = s.blocks.len() as u32;
-                    let kv = self.pool.take_delta().plus(slots(-1));
-                    fx.facts.push(Fact::SourcePinned {
-                        handoff,
-                        request: id,
-                        lease,
-                        blocks,
-                        deadline_ns,
-                        kv,
-                    });
-                    fx.outputs.push(EngineOutput::SourcePinned {
-                        handoff,
-                        request: id,
-                        lease,
-                        blocks,
-                        deadline_ns,
-                    });
-                    self.sources.hold(handoff, SourceEntry::Pinned { lease, blocks: s.blocks });
-                    self.pinned += 1;
-                }
-                _ if done => {
-                    self.end_request_inner(id, TerminalStatus::Completed, &mut fx, true);
-                    left_running = true;
-                }
-                _ => {}
-            }
-        }
-        if left_running {
-            let seqs = &self.seqs;
-            self.running.retain(|r| seqs.contains_key(r));
-        }
+        self.deliver_produced(&produced, at_ns.saturating_add(duration_ns), &mut fx);
         self.retry_pending(&mut fx);
         self.scratch_scheduled = scheduled;
         self.scratch_produced = produced;
