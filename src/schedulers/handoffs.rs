@@ -164,9 +164,7 @@ impl<E> HandoffTable<E> {
 
     /// Ends a held handoff and returns its entry; for any other, the rule's answer.
     pub fn end_held(&mut self, handoff: HandoffId) -> Result<E, Answer> {
-        if let Err(answer) = self.lookup(handoff) {
-            return Err(answer);
-        }
+        self.lookup(handoff)?;
         self.end(handoff).ok_or(Err(CommandError::UnknownHandoff(handoff)))
     }
 
