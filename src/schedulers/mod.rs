@@ -12,6 +12,7 @@
 //! so the capacity fold of a core's facts equals [`EngineCore::snapshot`] after every call, and
 //! [`EngineCore::audit`] recounts the same figures from the core's own structures.
 
+pub mod handoffs;
 pub mod perf;
 pub mod prefetch;
 pub use crate::model::request;

@@ -7,16 +7,13 @@ use crate::ids::{
     CancelReason, DestinationReservationId, EndReason, HandoffId, RequestId, SourceLeaseId, WorkerId,
 };
 use crate::model::capacity::KvCapacitySnapshot;
+use crate::schedulers::handoffs::{Arrival, HandoffTable, PendingReservations, ResourceIds};
 use crate::schedulers::request::{decode_block_hash, ROOT_HASH};
 use crate::schedulers::{
     CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, QuietDurations,
     QuietSteps, Request, ReservationSummary, SchedulerView, StepOutput, StepShape, TimingModel,
 };
-use std::collections::{BTreeMap, HashSet, VecDeque};
-
-/// How many ended handoffs per role the core remembers, to answer a late command with `NoOp`
-/// instead of `UnknownHandoff`. Bounded so memory follows handoffs in flight.
-const RECENT_HANDOFFS: usize = 65536;
+use std::collections::VecDeque;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
@@ -76,43 +73,25 @@ struct RequestState {
     dest: Option<DestinationInfo>,
 }
 
-#[derive(Clone, Debug)]
-struct Pending {
-    handoff: HandoffId,
-    request: Request,
-    deadline_ns: u64,
-    /// Capacity epoch of the last attempt (None: never tried).
-    last_try: Option<u64>,
-}
-
 #[derive(Clone, Copy, Debug)]
 enum DestinationEntry {
     Pending,
     Live(usize),
 }
 
-/// Remembers the last `RECENT_HANDOFFS` ended handoffs of one role.
-#[derive(Default)]
-struct Recent {
-    order: VecDeque<HandoffId>,
-    set: HashSet<HandoffId>,
+/// What a prefill batch may still take, in tokens.
+struct PrefillBudget {
+    /// KV: free and evictable tokens, less what decoding requests keep back
+    /// (`new_token_ratio` × their clipped remaining output).
+    total: i64,
+    /// Prompt tokens (`max_prefill_tokens`; the batch's first request may exceed it).
+    input: i64,
+    /// Chunk tokens (`chunked_prefill_size`).
+    chunk: i64,
 }
 
-impl Recent {
-    fn add(&mut self, h: HandoffId) {
-        if self.set.insert(h) {
-            self.order.push_back(h);
-            if self.order.len() > RECENT_HANDOFFS {
-                if let Some(old) = self.order.pop_front() {
-                    self.set.remove(&old);
-                }
-            }
-        }
-    }
-    fn contains(&self, h: &HandoffId) -> bool {
-        self.set.contains(h)
-    }
-}
+/// The chunked request's next chunk: (request key, tokens, pages to allocate).
+type Continuation = (usize, u32, u32);
 
 /// An SGLang-like engine core: pages, a radix prefix cache with lock references, a request-slot
 /// pool, `new_token_ratio` admission with retraction, chunked prefill, destination
@@ -128,11 +107,10 @@ pub struct SglangCore {
     chunking: Option<usize>,
     running: Vec<usize>,
     prebuilt: VecDeque<usize>,
-    pending: VecDeque<Pending>,
-    sources: BTreeMap<HandoffId, usize>,
-    dests: BTreeMap<HandoffId, DestinationEntry>,
-    recent_sources: Recent,
-    recent_dests: Recent,
+    pending: PendingReservations,
+    /// Handoff prefills by handoff: the key of their request.
+    sources: HandoffTable<usize>,
+    dests: HandoffTable<DestinationEntry>,
     slots_used: u32,
     headroom_tokens: u64,
     n_reserved: u32,
@@ -141,8 +119,7 @@ pub struct SglangCore {
     new_token_ratio: f64,
     /// Capacity changes other than freed pages (slots, headroom, retracted requests re-admitted).
     own_epoch: u64,
-    next_lease: u64,
-    next_reservation: u64,
+    ids: ResourceIds,
 }
 
 fn outcome_ok(o: CommandOutcome, effects: Effects) -> CommandResult {
@@ -169,19 +146,16 @@ impl SglangCore {
             chunking: None,
             running: Vec::new(),
             prebuilt: VecDeque::new(),
-            pending: VecDeque::new(),
-            sources: BTreeMap::new(),
-            dests: BTreeMap::new(),
-            recent_sources: Recent::default(),
-            recent_dests: Recent::default(),
+            pending: PendingReservations::new(),
+            sources: HandoffTable::new(),
+            dests: HandoffTable::new(),
             slots_used: 0,
             headroom_tokens: 0,
             n_reserved: 0,
             n_pinned: 0,
             retracted_waiting: 0,
             own_epoch: 0,
-            next_lease: 0,
-            next_reservation: 0,
+            ids: ResourceIds::starting_at(0),
         })
     }
 
@@ -365,12 +339,10 @@ impl SglangCore {
         }
         if let Some(d) = &r.dest {
             self.return_headroom(d.headroom);
-            self.dests.remove(&d.handoff);
-            self.recent_dests.add(d.handoff);
+            self.dests.end(d.handoff);
         }
         if let Some(s) = &r.source {
-            self.sources.remove(&s.handoff);
-            self.recent_sources.add(s.handoff);
+            self.sources.end(s.handoff);
         }
         let (request, output_tokens) = (r.request.id, r.output);
         self.emit(eff, |kv| Fact::RequestFinished { request, status, output_tokens, kv });
@@ -405,7 +377,13 @@ impl SglangCore {
     }
 
     /// One reservation attempt. On success the request is retained as a `Reserved` holder.
-    fn try_reserve(&mut self, p: &Pending, eff: &mut Effects) -> Result<(), RejectReason> {
+    fn try_reserve(
+        &mut self,
+        handoff: HandoffId,
+        r: &Request,
+        deadline_ns: u64,
+        eff: &mut Effects,
+    ) -> Result<(), RejectReason> {
         if self.slots_used >= self.cfg.max_running_requests {
             return Err(RejectReason::NoSlot);
         }
@@ -414,7 +392,6 @@ impl SglangCore {
             return Err(RejectReason::NoCapacity);
         }
         let page = self.page() as i64;
-        let r = &p.request;
         let hashes = r.prompt_block_hashes(self.page());
         let prefix = self.pool.match_prefix(&hashes, hashes.len());
         let prefix_tokens = prefix.len() as u32 * self.page();
@@ -451,16 +428,14 @@ impl SglangCore {
         req.has_slot = true;
         self.headroom_tokens += reserved as u64;
         self.pool.acc.headroom_tokens += reserved as i32;
-        let reservation = DestinationReservationId(self.next_reservation);
-        self.next_reservation += 1;
-        req.dest = Some(DestinationInfo { handoff: p.handoff, reservation, headroom: reserved as u32 });
+        let reservation = self.ids.reservation();
+        req.dest = Some(DestinationInfo { handoff, reservation, headroom: reserved as u32 });
         req.phase = Phase::Reserved;
         let request = req.request.id;
         let key = self.insert_req(req);
         self.n_reserved += 1;
-        self.dests.insert(p.handoff, DestinationEntry::Live(key));
+        self.dests.hold(handoff, DestinationEntry::Live(key));
         let prefix_blocks = prefix.len() as u32;
-        let (handoff, deadline_ns) = (p.handoff, p.deadline_ns);
         self.emit(eff, |kv| Fact::DestinationReserved {
             handoff,
             request,
@@ -483,22 +458,12 @@ impl SglangCore {
     /// Retries the FIFO head while capacity changed since its last attempt (a never-tried head
     /// is always tried). Called at the end of every command and step.
     fn retry_pending(&mut self, eff: &mut Effects) {
-        while let Some(head) = self.pending.front() {
-            let epoch = self.epoch();
-            if head.last_try == Some(epoch) {
+        while let Some(p) = self.pending.take_due(self.epoch()) {
+            if let Err(reason) = self.try_reserve(p.handoff, &p.request, p.deadline_ns, eff) {
+                let handoff = p.handoff;
+                self.pending.put_back(p, self.epoch());
+                eff.facts.push(Fact::ReservationRefused { handoff, reason });
                 return;
-            }
-            let Some(p) = self.pending.pop_front() else {
-                return;
-            };
-            match self.try_reserve(&p, eff) {
-                Ok(()) => continue,
-                Err(reason) => {
-                    let handoff = p.handoff;
-                    self.pending.push_front(Pending { last_try: Some(self.epoch()), ..p });
-                    eff.facts.push(Fact::ReservationRefused { handoff, reason });
-                    return;
-                }
             }
         }
     }
@@ -528,18 +493,40 @@ impl SglangCore {
         done: &mut Vec<usize>,
     ) -> Option<(u32, u32)> {
         let page = self.page();
-        let mut rem_total =
-            (self.pool.available() * page as u64) as i64 - self.decode_reservation_tokens() as i64;
-        let mut rem_input = self.cfg.max_prefill_tokens as i64;
-        let mut rem_chunk = self.cfg.chunked_prefill_size as i64;
+        let mut budget = PrefillBudget {
+            total: (self.pool.available() * page as u64) as i64 - self.decode_reservation_tokens() as i64,
+            input: self.cfg.max_prefill_tokens as i64,
+            chunk: self.cfg.chunked_prefill_size as i64,
+        };
         let mut batch: Vec<(usize, u32)> = Vec::new();
+        let cont = self.plan_continuation(&mut budget);
+        self.admit_for_prefill(&mut budget, cont, &mut batch, eff);
 
-        // The request being chunked continues first; it is bounded by chunk size and by the
-        // pages physically available (not by the estimate, which it already passed).
-        let mut cont: Option<(usize, u32, u32)> = None;
+        // The continuation allocates after admissions, from the pages it was promised.
+        if let Some((k, chunk, pages)) = cont {
+            if let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) {
+                if self.pool.alloc(&mut r.holder, pages) {
+                    batch.insert(0, (k, chunk));
+                }
+            }
+        }
+        if batch.is_empty() {
+            *step_kv = step_kv.plus(self.pool.take_acc());
+            return None;
+        }
+        let tokens = self.forward_prefill(&batch, eff, done);
+        *step_kv = step_kv.plus(self.pool.take_acc());
+        Some((tokens, batch.len() as u32))
+    }
+
+    /// The request being chunked continues first: its next chunk (key, tokens, pages to
+    /// allocate), taken from `budget`. It is bounded by chunk size and by the pages physically
+    /// available (not by the estimate, which it already passed).
+    fn plan_continuation(&self, budget: &mut PrefillBudget) -> Option<Continuation> {
+        let page = self.page();
         if let Some(k) = self.chunking {
             if let Some(r) = self.req(k) {
-                let mut end = r.fill.min(r.kv_len.saturating_add(rem_chunk as u32));
+                let mut end = r.fill.min(r.kv_len.saturating_add(budget.chunk as u32));
                 if end < r.fill {
                     end = end / page * page; // a non-final chunk ends on a page boundary
                 }
@@ -553,19 +540,31 @@ impl SglangCore {
                 let chunk = end.saturating_sub(r.kv_len);
                 let pages = self.pages_for(end).saturating_sub(r.holder.pages());
                 if chunk > 0 {
-                    cont = Some((k, chunk, pages));
-                    rem_chunk -= chunk as i64;
-                    rem_input -= chunk as i64;
-                    rem_total -= pages as i64 * page as i64;
+                    budget.chunk -= chunk as i64;
+                    budget.input -= chunk as i64;
+                    budget.total -= pages as i64 * page as i64;
+                    return Some((k, chunk, pages));
                 }
             }
         }
+        None
+    }
+
+    /// Admits new (or retracted) requests into the prefill batch, FIFO, while a slot is free
+    /// and `budget` holds (after the continuation `cont`, whose pages are promised): each
+    /// locks its cached prefix, takes pages for its chunk and a slot (`RequestScheduled`).
+    fn admit_for_prefill(
+        &mut self,
+        budget: &mut PrefillBudget,
+        cont: Option<Continuation>,
+        batch: &mut Vec<(usize, u32)>,
+        eff: &mut Effects,
+    ) {
+        let page = self.page();
         let pages_promised: u64 = cont.map(|c| c.2 as u64).unwrap_or(0);
         let mut chunk_taken = self.chunking.is_some();
-
-        // New (or retracted) requests, FIFO.
         while let Some(&k) = self.waiting.front() {
-            if self.slots_used >= self.cfg.max_running_requests || rem_chunk <= 0 {
+            if self.slots_used >= self.cfg.max_running_requests || budget.chunk <= 0 {
                 break;
             }
             let clip = self.cfg.clip_max_new_tokens;
@@ -585,21 +584,21 @@ impl SglangCore {
             let future = r.target.saturating_sub(r.output).min(clip);
             let total = extend as i64 + future as i64;
             let unlocked = self.pool.unlocked_count(&prefix);
-            if total + (unlocked * page as u64) as i64 > rem_total {
+            if total + (unlocked * page as u64) as i64 > budget.total {
                 break;
             }
             let real_input = extend.div_ceil(page) * page;
             // Only the batch's first request may exceed max_prefill_tokens.
-            if real_input as i64 > rem_input && (!batch.is_empty() || cont.is_some()) {
+            if real_input as i64 > budget.input && (!batch.is_empty() || cont.is_some()) {
                 break;
             }
-            let chunk = if (extend as i64) <= rem_chunk {
+            let chunk = if (extend as i64) <= budget.chunk {
                 extend
             } else {
                 if chunk_taken {
                     break;
                 }
-                (rem_chunk as u32) / page * page
+                (budget.chunk as u32) / page * page
             };
             if chunk == 0 {
                 break;
@@ -625,39 +624,31 @@ impl SglangCore {
                 r.phase = Phase::Chunking;
                 chunk_taken = true;
                 self.chunking = Some(k);
-                rem_total -= chunk as i64;
+                budget.total -= chunk as i64;
             } else {
                 r.phase = Phase::Running;
-                rem_total -= total;
+                budget.total -= total;
             }
-            rem_total -= (unlocked * page as u64) as i64;
+            budget.total -= (unlocked * page as u64) as i64;
             if was_retracted {
                 self.retracted_waiting -= 1;
                 self.own_epoch += 1;
             }
             self.take_slot();
             self.emit(eff, |kv| Fact::RequestScheduled { request, cached_tokens: prefix_tokens, kv });
-            rem_input -= (chunk.div_ceil(page) * page) as i64;
-            rem_chunk -= chunk as i64;
+            budget.input -= (chunk.div_ceil(page) * page) as i64;
+            budget.chunk -= chunk as i64;
             batch.push((k, chunk));
         }
+    }
 
-        // The continuation allocates after admissions, from the pages it was promised.
-        if let Some((k, chunk, pages)) = cont {
-            if let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) {
-                if self.pool.alloc(&mut r.holder, pages) {
-                    batch.insert(0, (k, chunk));
-                }
-            }
-        }
-        if batch.is_empty() {
-            *step_kv = step_kv.plus(self.pool.take_acc());
-            return None;
-        }
-
-        // Forward pass: the chunk's KV becomes valid and its full pages enter the tree.
+    /// The forward pass of a prefill batch: each chunk's KV becomes valid and its full pages
+    /// enter the tree; requests whose prefill is complete go to `done`. Returns the tokens
+    /// computed.
+    fn forward_prefill(&mut self, batch: &[(usize, u32)], eff: &mut Effects, done: &mut Vec<usize>) -> u32 {
+        let page = self.page();
         let mut tokens = 0u32;
-        for &(k, chunk) in &batch {
+        for &(k, chunk) in batch {
             let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) else {
                 continue;
             };
@@ -672,8 +663,7 @@ impl SglangCore {
                 done.push(k);
             }
         }
-        *step_kv = step_kv.plus(self.pool.take_acc());
-        Some((tokens, batch.len() as u32))
+        tokens
     }
 
     /// Admits prefilled requests (Disabled policy's decode) at the head of the waiting queue,
@@ -719,6 +709,113 @@ impl SglangCore {
             self.emit(eff, |kv| Fact::RequestScheduled { request, cached_tokens, kv });
             if let Some(f) = stored {
                 eff.facts.push(f);
+            }
+        }
+    }
+
+    /// Activated destinations (the prebuilt queue) join the decode batch, with no forward pass
+    /// for them; one whose only token came from the source ends here.
+    fn join_prebuilt(&mut self, eff: &mut Effects) {
+        while let Some(k) = self.prebuilt.pop_front() {
+            let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) else {
+                continue;
+            };
+            r.phase = Phase::Running;
+            let (request, cached_tokens, finished) = (r.request.id, r.kv_len, r.output >= r.target);
+            self.emit(eff, |kv| Fact::RequestScheduled { request, cached_tokens, kv });
+            if finished {
+                self.finish(k, TerminalStatus::Completed, eff);
+            } else {
+                self.running.push(k);
+            }
+        }
+    }
+
+    /// The decode pass: retracts until every running request can grow by a token (resetting
+    /// `new_token_ratio`, or decaying it when none was retracted), then advances each by one
+    /// token. Prefilled requests' first tokens go to `first_tokens`. Returns the step's shape.
+    fn decode_pass(
+        &mut self,
+        at_ns: u64,
+        eff: &mut Effects,
+        step_kv: &mut KvDelta,
+        first_tokens: &mut Vec<RequestId>,
+    ) -> StepShape {
+        let retracted = self.retract_for_decode(at_ns, eff);
+        if retracted {
+            self.new_token_ratio = self.cfg.init_new_token_ratio;
+        } else {
+            self.decay_new_token_ratio();
+        }
+        let page = self.page();
+        let mut active_kv = 0u64;
+        for &k in &self.running {
+            let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) else {
+                continue;
+            };
+            active_kv += r.kv_len as u64;
+            if r.kv_len % page == 0 {
+                let ok = self.pool.alloc(&mut r.holder, 1);
+                debug_assert!(ok, "retraction guarantees growth pages");
+            }
+            if r.output == 0 {
+                first_tokens.push(r.request.id); // a prefilled request's first token
+            }
+            r.kv_len += 1;
+            r.output += 1;
+        }
+        *step_kv = step_kv.plus(self.pool.take_acc());
+        StepShape {
+            decode_requests: self.running.len() as u64,
+            active_kv_tokens: active_kv,
+            total_kv_tokens: self.total_tokens(),
+            ..StepShape::default()
+        }
+    }
+
+    /// The results of a prefill pass, observed at `end_ns`: a request whose prefill completed
+    /// samples its token (its first, or the one after a retraction), then a handoff prefill
+    /// pins, a finished request ends, and any other joins the decode batch.
+    fn prefill_results(&mut self, done: Vec<usize>, end_ns: u64, eff: &mut Effects) {
+        for k in done {
+            let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) else {
+                continue;
+            };
+            if self.chunking == Some(k) {
+                self.chunking = None;
+            }
+            let first = r.output == 0;
+            r.output += 1;
+            r.phase = Phase::Running;
+            let stalled = r.stalled_since_ns.take();
+            let (request, is_source, finished) = (r.request.id, r.source.is_some(), r.output >= r.target);
+            if first {
+                eff.facts.push(Fact::FirstTokenEmitted { request });
+                eff.outputs.push(EngineOutput::FirstToken { request });
+            } else if let Some(since) = stalled {
+                eff.facts.push(Fact::DecodeResumed { request, stalled_ns: end_ns.saturating_sub(since) });
+            }
+            if is_source {
+                self.pin_source(k, end_ns, eff);
+            } else if finished {
+                self.finish(k, TerminalStatus::Completed, eff);
+            } else {
+                self.running.push(k);
+            }
+        }
+    }
+
+    /// Ends the running requests that produced their last token in this decode pass.
+    fn finish_decoded(&mut self, eff: &mut Effects) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let k = self.running[i];
+            let finished = self.req(k).map(|r| r.output >= r.target).unwrap_or(true);
+            if finished {
+                self.running.swap_remove(i);
+                self.finish(k, TerminalStatus::Completed, eff);
+            } else {
+                i += 1;
             }
         }
     }
@@ -772,8 +869,7 @@ impl SglangCore {
     }
 
     fn pin_source(&mut self, key: usize, at_ns: u64, eff: &mut Effects) {
-        let lease = SourceLeaseId(self.next_lease);
-        self.next_lease += 1;
+        let lease = self.ids.lease();
         let Some(r) = self.reqs.get_mut(key).and_then(|r| r.as_mut()) else {
             return;
         };
@@ -799,18 +895,9 @@ impl SglangCore {
         }
         self.n_pinned -= 1;
         let Some(s) = r.source else { return };
-        self.sources.remove(&s.handoff);
-        self.recent_sources.add(s.handoff);
+        self.sources.end(s.handoff);
         let (handoff, lease) = (s.handoff, s.lease.unwrap_or(SourceLeaseId(u64::MAX)));
         self.emit(eff, |kv| Fact::SourceReleased { handoff, lease, reason, kv });
-    }
-
-    fn unknown_or_noop(&self, handoff: HandoffId, recent: bool, eff: Effects) -> CommandResult {
-        if recent {
-            outcome_ok(CommandOutcome::NoOp, eff)
-        } else {
-            outcome_err(CommandError::UnknownHandoff(handoff), eff)
-        }
     }
 
     /// Shared tail of every command: retry the FIFO head if capacity changed.
@@ -867,11 +954,11 @@ impl EngineCore for SglangCore {
         lease_ns: u64,
         _at_ns: u64,
     ) -> CommandResult {
-        if self.sources.contains_key(&handoff) || self.recent_sources.contains(&handoff) {
-            return outcome_err(CommandError::DuplicateHandoff(handoff), Effects::default());
+        if let Some(outcome) = self.sources.start_answer(handoff) {
+            return CommandResult { outcome, effects: Effects::default() };
         }
         if let Some(pages) = self.never_fits(request.input_tokens, 1, 0) {
-            self.recent_sources.add(handoff);
+            self.sources.refuse(handoff);
             return self.reject(request.id, pages);
         }
         let mut r = self.new_req(request, 1);
@@ -879,10 +966,10 @@ impl EngineCore for SglangCore {
         let mut eff = Effects::default();
         if self.enqueue(r, &mut eff) {
             if let Some(&k) = self.waiting.back() {
-                self.sources.insert(handoff, k);
+                self.sources.hold(handoff, k);
             }
         } else {
-            self.recent_sources.add(handoff);
+            self.sources.refuse(handoff);
         }
         self.finish_command(Ok(CommandOutcome::Applied), eff)
     }
@@ -894,15 +981,15 @@ impl EngineCore for SglangCore {
         deadline_ns: u64,
         _at_ns: u64,
     ) -> CommandResult {
-        if self.dests.contains_key(&handoff) || self.recent_dests.contains(&handoff) {
-            return outcome_err(CommandError::DuplicateHandoff(handoff), Effects::default());
+        if let Some(outcome) = self.dests.start_answer(handoff) {
+            return CommandResult { outcome, effects: Effects::default() };
         }
         let mut eff = Effects::default();
         if let Some(pages) =
             self.never_fits(request.input_tokens, request.output_tokens, self.cfg.num_reserved_decode_tokens)
         {
             eff.facts.push(Fact::ReservationRefused { handoff, reason: RejectReason::NeverFits });
-            self.recent_dests.add(handoff);
+            self.dests.refuse(handoff);
             let e = CommandError::NeverFits {
                 request: request.id,
                 needed_blocks: pages,
@@ -910,42 +997,37 @@ impl EngineCore for SglangCore {
             };
             return outcome_err(e, eff);
         }
-        let p = Pending { handoff, request, deadline_ns, last_try: None };
-        if self.pending.is_empty() {
-            match self.try_reserve(&p, &mut eff) {
+        match self.pending.arrival(self.cfg.max_pending_reservations) {
+            Arrival::TryNow => match self.try_reserve(handoff, &request, deadline_ns, &mut eff) {
                 Ok(()) => return self.finish_command(Ok(CommandOutcome::Applied), eff),
                 Err(reason) => {
-                    if self.pending.len() >= self.cfg.max_pending_reservations as usize {
-                        return self.pending_full(handoff, eff);
-                    }
                     eff.facts.push(Fact::ReservationQueued { handoff });
                     eff.facts.push(Fact::ReservationRefused { handoff, reason });
-                    self.pending.push_back(Pending { last_try: Some(self.epoch()), ..p });
-                    self.dests.insert(handoff, DestinationEntry::Pending);
+                    self.pending.push(handoff, request, deadline_ns, Some(self.epoch()));
+                    self.dests.hold(handoff, DestinationEntry::Pending);
                 }
+            },
+            Arrival::Full => return self.pending_full(handoff, eff),
+            Arrival::Queue => {
+                // FIFO: nobody overtakes the head; this one is tried when it becomes the head.
+                eff.facts.push(Fact::ReservationQueued { handoff });
+                self.pending.push(handoff, request, deadline_ns, None);
+                self.dests.hold(handoff, DestinationEntry::Pending);
             }
-        } else {
-            if self.pending.len() >= self.cfg.max_pending_reservations as usize {
-                return self.pending_full(handoff, eff);
-            }
-            // FIFO: nobody overtakes the head; this one is tried when it becomes the head.
-            eff.facts.push(Fact::ReservationQueued { handoff });
-            self.pending.push_back(p);
-            self.dests.insert(handoff, DestinationEntry::Pending);
         }
         self.finish_command(Ok(CommandOutcome::Unavailable), eff)
     }
 
     fn activate_destination(&mut self, handoff: HandoffId, _at_ns: u64) -> CommandResult {
         let eff = Effects::default();
-        let key = match self.dests.get(&handoff) {
-            None => return self.unknown_or_noop(handoff, self.recent_dests.contains(&handoff), eff),
-            Some(DestinationEntry::Pending) => {
+        let key = match self.dests.lookup(handoff) {
+            Err(outcome) => return CommandResult { outcome, effects: eff },
+            Ok(DestinationEntry::Pending) => {
                 let e =
                     CommandError::InvalidState { handoff, command: "activate_destination", state: "pending" };
                 return outcome_err(e, eff);
             }
-            Some(DestinationEntry::Live(k)) => *k,
+            Ok(DestinationEntry::Live(k)) => *k,
         };
         let Some(r) = self.req(key) else {
             return outcome_err(CommandError::UnknownHandoff(handoff), eff);
@@ -984,8 +1066,9 @@ impl EngineCore for SglangCore {
 
     fn release_source(&mut self, handoff: HandoffId, reason: EndReason, _at_ns: u64) -> CommandResult {
         let mut eff = Effects::default();
-        let Some(&key) = self.sources.get(&handoff) else {
-            return self.unknown_or_noop(handoff, self.recent_sources.contains(&handoff), eff);
+        let key = match self.sources.lookup(handoff) {
+            Ok(&key) => key,
+            Err(outcome) => return CommandResult { outcome, effects: eff },
         };
         if self.req(key).map(|r| r.phase) != Some(Phase::Pinned) {
             let e = CommandError::InvalidState { handoff, command: "release_source", state: "computing" };
@@ -997,8 +1080,9 @@ impl EngineCore for SglangCore {
 
     fn cancel_source(&mut self, handoff: HandoffId, reason: CancelReason, _at_ns: u64) -> CommandResult {
         let mut eff = Effects::default();
-        let Some(&key) = self.sources.get(&handoff) else {
-            return self.unknown_or_noop(handoff, self.recent_sources.contains(&handoff), eff);
+        let key = match self.sources.lookup(handoff) {
+            Ok(&key) => key,
+            Err(outcome) => return CommandResult { outcome, effects: eff },
         };
         match self.req(key).map(|r| r.phase) {
             Some(Phase::Pinned) => self.source_released(key, EndReason::Canceled(reason), &mut eff),
@@ -1013,16 +1097,15 @@ impl EngineCore for SglangCore {
 
     fn cancel_destination(&mut self, handoff: HandoffId, reason: CancelReason, _at_ns: u64) -> CommandResult {
         let mut eff = Effects::default();
-        let key = match self.dests.get(&handoff) {
-            None => return self.unknown_or_noop(handoff, self.recent_dests.contains(&handoff), eff),
-            Some(DestinationEntry::Pending) => {
-                self.pending.retain(|p| p.handoff != handoff);
-                self.dests.remove(&handoff);
-                self.recent_dests.add(handoff);
+        let key = match self.dests.lookup(handoff) {
+            Err(outcome) => return CommandResult { outcome, effects: eff },
+            Ok(DestinationEntry::Pending) => {
+                self.pending.remove(handoff);
+                self.dests.end(handoff);
                 eff.facts.push(Fact::ReservationDequeued { handoff, reason });
                 return self.finish_command(Ok(CommandOutcome::Applied), eff);
             }
-            Some(DestinationEntry::Live(k)) => *k,
+            Ok(DestinationEntry::Live(k)) => *k,
         };
         match self.req(key).map(|r| r.phase) {
             Some(Phase::Reserved) => {
@@ -1042,8 +1125,7 @@ impl EngineCore for SglangCore {
                     .map(|d| (d.headroom, d.reservation))
                     .unwrap_or((0, DestinationReservationId(u64::MAX)));
                 self.return_headroom(headroom);
-                self.dests.remove(&handoff);
-                self.recent_dests.add(handoff);
+                self.dests.end(handoff);
                 let reason = EndReason::Canceled(reason);
                 self.emit(&mut eff, |kv| Fact::ReservationReleased { handoff, reservation, reason, kv });
             }
@@ -1059,21 +1141,7 @@ impl EngineCore for SglangCore {
 
     fn step(&mut self, at_ns: u64) -> StepOutput {
         let mut eff = Effects::default();
-        // Activated destinations join the decode batch (no forward pass for them).
-        while let Some(k) = self.prebuilt.pop_front() {
-            let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) else {
-                continue;
-            };
-            r.phase = Phase::Running;
-            let (request, cached_tokens, finished) = (r.request.id, r.kv_len, r.output >= r.target);
-            self.emit(&mut eff, |kv| Fact::RequestScheduled { request, cached_tokens, kv });
-            if finished {
-                self.finish(k, TerminalStatus::Completed, &mut eff);
-            } else {
-                self.running.push(k);
-            }
-        }
-
+        self.join_prebuilt(&mut eff);
         self.admit_prefilled(&mut eff);
         let mut step_kv = KvDelta::ZERO;
         let mut done = Vec::new();
@@ -1084,37 +1152,8 @@ impl EngineCore for SglangCore {
             shape = StepShape { prefill_tokens: tokens as u64, ..StepShape::default() };
             (prefill_tokens, decode_tokens, batch_size) = (tokens, 0, n);
         } else if !self.running.is_empty() {
-            let retracted = self.retract_for_decode(at_ns, &mut eff);
-            if retracted {
-                self.new_token_ratio = self.cfg.init_new_token_ratio;
-            } else {
-                self.decay_new_token_ratio();
-            }
-            let page = self.page();
-            let mut active_kv = 0u64;
-            for &k in &self.running {
-                let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) else {
-                    continue;
-                };
-                active_kv += r.kv_len as u64;
-                if r.kv_len % page == 0 {
-                    let ok = self.pool.alloc(&mut r.holder, 1);
-                    debug_assert!(ok, "retraction guarantees growth pages");
-                }
-                if r.output == 0 {
-                    first_tokens.push(r.request.id); // a prefilled request's first token
-                }
-                r.kv_len += 1;
-                r.output += 1;
-            }
-            step_kv = step_kv.plus(self.pool.take_acc());
-            let n = self.running.len() as u32;
-            shape = StepShape {
-                decode_requests: n as u64,
-                active_kv_tokens: active_kv,
-                total_kv_tokens: self.total_tokens(),
-                ..StepShape::default()
-            };
+            shape = self.decode_pass(at_ns, &mut eff, &mut step_kv, &mut first_tokens);
+            let n = shape.decode_requests as u32;
             (prefill_tokens, decode_tokens, batch_size) = (0, n, n);
         } else {
             self.flush_removed(&mut eff);
@@ -1136,46 +1175,9 @@ impl EngineCore for SglangCore {
             eff.facts.push(Fact::FirstTokenEmitted { request });
             eff.outputs.push(EngineOutput::FirstToken { request });
         }
-
-        // Results of the forward pass.
-        for k in done {
-            let Some(r) = self.reqs.get_mut(k).and_then(|r| r.as_mut()) else {
-                continue;
-            };
-            if self.chunking == Some(k) {
-                self.chunking = None;
-            }
-            let first = r.output == 0;
-            r.output += 1;
-            r.phase = Phase::Running;
-            let stalled = r.stalled_since_ns.take();
-            let (request, is_source, finished) = (r.request.id, r.source.is_some(), r.output >= r.target);
-            if first {
-                eff.facts.push(Fact::FirstTokenEmitted { request });
-                eff.outputs.push(EngineOutput::FirstToken { request });
-            } else if let Some(since) = stalled {
-                eff.facts.push(Fact::DecodeResumed { request, stalled_ns: end_ns.saturating_sub(since) });
-            }
-            if is_source {
-                self.pin_source(k, end_ns, &mut eff);
-            } else if finished {
-                self.finish(k, TerminalStatus::Completed, &mut eff);
-            } else {
-                self.running.push(k);
-            }
-        }
+        self.prefill_results(done, end_ns, &mut eff);
         if decode_tokens > 0 {
-            let mut i = 0;
-            while i < self.running.len() {
-                let k = self.running[i];
-                let finished = self.req(k).map(|r| r.output >= r.target).unwrap_or(true);
-                if finished {
-                    self.running.swap_remove(i);
-                    self.finish(k, TerminalStatus::Completed, &mut eff);
-                } else {
-                    i += 1;
-                }
-            }
+            self.finish_decoded(&mut eff);
         }
         self.retry_pending(&mut eff);
         debug_assert!(self.pool.acc.is_zero(), "unattributed delta {:?}", self.pool.acc);
@@ -1193,7 +1195,7 @@ impl EngineCore for SglangCore {
         {
             return None;
         }
-        if self.pending.front().is_some_and(|head| head.last_try != Some(self.epoch())) {
+        if self.pending.head_is_due(self.epoch()) {
             return None;
         }
         let page = self.page() as u64;
@@ -1305,7 +1307,7 @@ impl SglangCore {
     fn pending_full(&mut self, handoff: HandoffId, mut eff: Effects) -> CommandResult {
         eff.facts.push(Fact::ReservationRefused { handoff, reason: RejectReason::NoCapacity });
         eff.outputs.push(EngineOutput::ReservationFailed { handoff, reason: RejectReason::NoCapacity });
-        self.recent_dests.add(handoff);
+        self.dests.refuse(handoff);
         self.finish_command(Ok(CommandOutcome::Applied), eff)
     }
 }

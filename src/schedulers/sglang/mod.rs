@@ -99,6 +99,9 @@
 //! * Request ids must be unique among requests live on one core (the scheduler-view fold keys by
 //!   them); the core itself keys its state by internal slots and never panics on a duplicate.
 //! * Handoff prefills end at their pin: no `RequestFinished` is emitted for them.
+//! * Commands naming a handoff follow the rule both cores share
+//!   ([`crate::schedulers::handoffs`]): ended → `NoOp`, never seen → `UnknownHandoff`, a start
+//!   of an id held or ended → `DuplicateHandoff`; a refused start counts as ended.
 
 pub mod config;
 mod core;

@@ -25,11 +25,16 @@
 //! * The TRT-LLM backend refuses destination reservation with `CommandError::Unsupported`: the
 //!   proposal defers generation-side pre-allocation for it (see engine-semantics notes).
 //!
+//! * Sources and destinations live in the shared [`HandoffTable`]s, so a command naming a
+//!   handoff this core ended is a `NoOp`, one naming a handoff it never saw is
+//!   `UnknownHandoff`, and a start of either kind of id already held or ended is
+//!   `DuplicateHandoff` (see [`crate::schedulers::handoffs`]); a refused start counts as ended.
+//!
 //! ## Pending reservations
-//! FIFO, bounded by `max_pending_reservations`. Only the head is retried, at the end of every
-//! command and step, and only if the pool's capacity epoch (bumped whenever a block becomes
-//! unreferenced) moved since the head's last attempt. A later reservation never overtakes a
-//! queued one.
+//! FIFO ([`PendingReservations`]), bounded by `max_pending_reservations`. Only the head is
+//! retried, at the end of every command and step, and only if the pool's capacity epoch (bumped
+//! whenever a block becomes unreferenced) moved since the head's last attempt. A later
+//! reservation never overtakes a queued one.
 //!
 //! ## Queues and their bounds
 //! * waiting: `max_waiting_requests`; a submit beyond it gets `RequestRejected{NoCapacity}` +
@@ -62,12 +67,13 @@ use crate::ids::{
     Backend, CancelReason, DestinationReservationId, EndReason, HandoffId, RequestId, SourceLeaseId, WorkerId,
 };
 use crate::model::capacity::KvCapacitySnapshot;
+use crate::schedulers::handoffs::{Arrival, HandoffTable, PendingReservations, ResourceIds};
 use crate::schedulers::request::{decode_block_hash, ROOT_HASH};
 use crate::schedulers::{
     CommandError, CommandOutcome, CommandResult, Effects, EngineCore, EngineOutput, QuietDurations,
     QuietSteps, Request, ReservationSummary, SchedulerView, StepOutput, StepShape, TimingModel,
 };
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SequenceKind {
@@ -159,11 +165,8 @@ enum SourceEntry {
 
 #[derive(Clone, Debug)]
 enum DestinationEntry {
-    Pending {
-        request: Request,
-        deadline_ns: u64,
-        tried_epoch: Option<u64>,
-    },
+    /// Waiting in the pending FIFO, which holds its request.
+    Pending,
     Reserved {
         reservation: DestinationReservationId,
         request: Request,
@@ -187,7 +190,7 @@ pub struct VllmCore {
     waiting: VecDeque<RequestId>,
     /// Requests in waiting or running, by id (lookup only).
     seqs: HashMap<RequestId, Sequence, BuildIntegerHasher>,
-    pending: VecDeque<HandoffId>,
+    pending: PendingReservations,
     /// Emptied effects handed back by the adapter, reused by the next step.
     spare: Option<Effects>,
     /// Per-step scratch lists, kept so a step allocates nothing in steady state.
@@ -203,12 +206,11 @@ pub struct VllmCore {
     shape: EngineShape,
     /// Request ids this core holds in any form (seqs, pending or reserved destinations).
     live: HashSet<RequestId, BuildIntegerHasher>,
-    sources: BTreeMap<HandoffId, SourceEntry>,
+    sources: HandoffTable<SourceEntry>,
     pinned: u64,
-    dests: BTreeMap<HandoffId, DestinationEntry>,
+    dests: HandoffTable<DestinationEntry>,
     reserved: u64,
-    next_lease: u64,
-    next_reservation: u64,
+    ids: ResourceIds,
     internal_error: Option<String>,
 }
 
@@ -253,13 +255,12 @@ impl VllmCore {
             live: HashSet::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
-            sources: BTreeMap::new(),
+            sources: HandoffTable::new(),
             pinned: 0,
-            dests: BTreeMap::new(),
-            pending: VecDeque::new(),
+            dests: HandoffTable::new(),
+            pending: PendingReservations::new(),
             reserved: 0,
-            next_lease: 1,
-            next_reservation: 1,
+            ids: ResourceIds::starting_at(1),
             internal_error: None,
             spare: None,
             scratch_scheduled: Vec::new(),
@@ -435,10 +436,10 @@ impl VllmCore {
         match s.kind {
             SequenceKind::Plain | SequenceKind::Prefilled => {}
             SequenceKind::Source { handoff, .. } => {
-                self.sources.remove(&handoff);
+                self.sources.end(handoff);
             }
             SequenceKind::Destination { handoff } => {
-                self.dests.remove(&handoff);
+                self.dests.end(handoff);
             }
         }
     }
@@ -669,8 +670,7 @@ impl VllmCore {
         fx: &mut Effects,
     ) {
         let (blocks, prefix_blocks, pages, hashes) = got;
-        let reservation = DestinationReservationId(self.next_reservation);
-        self.next_reservation += 1;
+        let reservation = self.ids.reservation();
         let prefix_tokens = (prefix_blocks as u64 * self.bs() as u64).min(request.input_tokens as u64) as u32;
         self.flush_removed(fx);
         let kv = self.pool.take_delta();
@@ -692,7 +692,7 @@ impl VllmCore {
         };
         fx.outputs.push(EngineOutput::DestinationReserved { handoff, reservation, summary });
         self.reserved += 1;
-        self.dests.insert(
+        self.dests.hold(
             handoff,
             DestinationEntry::Reserved { reservation, request, blocks, prefix_blocks, hashes },
         );
@@ -700,24 +700,11 @@ impl VllmCore {
 
     /// Retries the pending FIFO's head while capacity changed since its last attempt.
     fn retry_pending(&mut self, fx: &mut Effects) {
-        while let Some(&h) = self.pending.front() {
-            let (request, deadline_ns) = match self.dests.get(&h) {
-                Some(DestinationEntry::Pending { request, deadline_ns, tried_epoch }) => {
-                    if *tried_epoch == Some(self.pool.epoch()) {
-                        return;
-                    }
-                    (request.clone(), *deadline_ns)
-                }
-                _ => {
-                    // Not pending any more (cannot happen: cancel removes both); drop the entry.
-                    self.pending.pop_front();
-                    continue;
-                }
-            };
-            if self.peak_blocks(&request, true) > self.pool.total() {
-                self.pending.pop_front();
-                self.dests.remove(&h);
-                self.live.remove(&request.id);
+        while let Some(p) = self.pending.take_due(self.pool.epoch()) {
+            let h = p.handoff;
+            if self.peak_blocks(&p.request, true) > self.pool.total() {
+                self.dests.end(h);
+                self.live.remove(&p.request.id);
                 fx.facts.push(Fact::ReservationDequeued {
                     handoff: h,
                     reason: CancelReason::DestinationRejected,
@@ -726,16 +713,10 @@ impl VllmCore {
                     .push(EngineOutput::ReservationFailed { handoff: h, reason: RejectReason::NeverFits });
                 continue;
             }
-            match self.try_reserve(&request) {
-                Some(got) => {
-                    self.pending.pop_front();
-                    self.book_reservation(h, request, deadline_ns, got, fx);
-                }
+            match self.try_reserve(&p.request) {
+                Some(got) => self.book_reservation(h, p.request, p.deadline_ns, got, fx),
                 None => {
-                    let epoch = self.pool.epoch();
-                    if let Some(DestinationEntry::Pending { tried_epoch, .. }) = self.dests.get_mut(&h) {
-                        *tried_epoch = Some(epoch);
-                    }
+                    self.pending.put_back(p, self.pool.epoch());
                     fx.facts.push(Fact::ReservationRefused { handoff: h, reason: RejectReason::NoCapacity });
                     return;
                 }
@@ -781,6 +762,254 @@ impl VllmCore {
         self.waiting.push_back(id);
         fx.facts.push(Fact::RequestQueued { request: id });
         Ok(CommandOutcome::Applied)
+    }
+
+    /// Step 1: gives each running request, in scheduling order, its tokens for this step
+    /// (a prefill chunk within the budget, or one decode token), preempting from the back
+    /// (LIFO) when the blocks it needs are not available. Stops at the budget's end or at a
+    /// request that cannot get its blocks. Returns whether it preempted.
+    fn schedule_running(
+        &mut self,
+        at_ns: u64,
+        budget: &mut u64,
+        scheduled: &mut Vec<Scheduled>,
+        fx: &mut Effects,
+        step_acc: &mut KvDelta,
+    ) -> bool {
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() && *budget > 0 {
+            let id = self.running[i];
+            let quiet = self.pool.is_quiet();
+            let bs = self.cfg.block_size as u64;
+            let Some(s) = self.seqs.get_mut(&id) else {
+                i += 1;
+                continue;
+            };
+            let (tokens, prefill) = if s.is_prefilling() {
+                let remaining = (s.target() - s.computed) as u64;
+                (remaining.min(*budget), true)
+            } else {
+                (1, false)
+            };
+            let kv_tokens = s.computed as u64 + tokens;
+            // Multiply before dividing: most steps need no new block.
+            let held = s.blocks.len() as u64;
+            if !prefill && kv_tokens <= held * bs && quiet {
+                // The common decode token: no block to find, nobody to preempt, no accounting
+                // pending. Compute it now (step 4 would, unchanged by anything in between) and
+                // save step 4 the lookup.
+                s.computed += 1;
+                s.generated += 1;
+                let mut flags = ADVANCED;
+                if s.generated == 1
+                    || s.generated >= s.max_output()
+                    || matches!(s.kind, SequenceKind::Source { .. })
+                {
+                    flags |= PRODUCES;
+                }
+                if s.fills_block(self.cfg.block_size) {
+                    flags |= FILLS;
+                }
+                *budget = budget.saturating_sub(1);
+                scheduled.push((id, 1, false, flags));
+                i += 1;
+                continue;
+            }
+            let need = if kv_tokens <= held * bs { 0 } else { kv_tokens.div_ceil(bs).saturating_sub(held) };
+            let mut self_preempted = false;
+            while self.pool.available() < need {
+                let Some(&victim) = self.running.last() else { break };
+                self.preempt(victim, at_ns, fx, step_acc);
+                preempted = true;
+                if victim == id {
+                    self_preempted = true;
+                    break;
+                }
+            }
+            if self_preempted || self.pool.available() < need {
+                break;
+            }
+            self.grow(id, need, fx, step_acc);
+            *budget = budget.saturating_sub(tokens);
+            scheduled.push((id, tokens, prefill, 0));
+            i += 1;
+        }
+        preempted
+    }
+
+    /// Step 2: admits waiting requests FIFO while the budget and `max_num_seqs` allow, up to
+    /// the first that does not fit (head-of-line blocking).
+    fn admit_waiting(
+        &mut self,
+        budget: &mut u64,
+        scheduled: &mut Vec<Scheduled>,
+        fx: &mut Effects,
+        step_acc: &mut KvDelta,
+    ) {
+        while *budget > 0 && self.running.len() < self.cfg.max_num_seqs as usize {
+            let Some(&id) = self.waiting.front() else { break };
+            let Some((tokens, prefill)) = self.try_admit(id, *budget, fx, step_acc) else {
+                break;
+            };
+            self.waiting.pop_front();
+            self.running.push(id);
+            *budget = budget.saturating_sub(tokens);
+            scheduled.push((id, tokens, prefill, 0));
+        }
+    }
+
+    /// Step 4: advances every scheduled request by its tokens, notes in `produced` the ones
+    /// whose token step 5 must look at, and hashes newly full blocks into `runs`. Returns the
+    /// step's (prefill, decode) tokens.
+    fn compute(
+        &mut self,
+        scheduled: &[Scheduled],
+        produced: &mut Vec<RequestId>,
+        runs: &mut Vec<(Option<BlockHash>, Vec<BlockHash>)>,
+    ) -> (u64, u64) {
+        let mut prefill_tokens = 0u64;
+        let mut decode_tokens = 0u64;
+        for &(id, tokens, prefill, flags) in scheduled {
+            if flags & ADVANCED != 0 {
+                decode_tokens += 1;
+                if flags & PRODUCES != 0 {
+                    produced.push(id);
+                }
+                if flags & FILLS != 0 {
+                    self.hash_full_blocks(id, runs);
+                }
+                continue;
+            }
+            let Some(s) = self.seqs.get_mut(&id) else { continue };
+            if prefill {
+                let target = s.target();
+                // An activated destination's one-token recompute costs a decode step, not a
+                // prefill (its KV arrived by transfer).
+                let remote_tail =
+                    matches!(s.kind, SequenceKind::Destination { .. } | SequenceKind::Prefilled)
+                        && s.generated == 0
+                        && tokens == 1
+                        && s.computed + 1 == s.prompt();
+                s.computed = s.computed.saturating_add(tokens as u32);
+                if remote_tail {
+                    decode_tokens += tokens;
+                } else {
+                    prefill_tokens += tokens;
+                }
+                if s.computed >= target {
+                    s.generated += 1;
+                    produced.push(id);
+                }
+            } else {
+                s.computed += 1;
+                s.generated += 1;
+                decode_tokens += 1;
+                // Step 5 only acts on a first token, a finished request or a terminal prefill;
+                // a decode token in the middle of a request needs nothing there.
+                if s.generated == 1
+                    || s.generated >= s.max_output()
+                    || matches!(s.kind, SequenceKind::Source { .. })
+                {
+                    produced.push(id);
+                }
+            }
+            if s.fills_block(self.cfg.block_size) {
+                self.hash_full_blocks(id, runs);
+            }
+        }
+        (prefill_tokens, decode_tokens)
+    }
+
+    /// The modeled duration of a step that computed these tokens.
+    fn step_duration(&mut self, prefill_tokens: u64, decode_tokens: u64) -> u64 {
+        let bs = self.bs() as u64;
+        let shape = StepShape {
+            prefill_tokens,
+            decode_requests: decode_tokens,
+            active_kv_tokens: self.pool.active_blocks() * bs,
+            total_kv_tokens: self.pool.total() * bs,
+        };
+        // Decode-only steps repeat their shape for many steps in a row (KV usage moves in whole
+        // blocks): reuse the last such step's duration when the shape is the same.
+        match self.last_decode_timing {
+            Some((active, ns))
+                if shape.prefill_tokens == 0
+                    && shape.decode_requests > 0
+                    && active == shape.active_kv_tokens =>
+            {
+                ns
+            }
+            _ => {
+                let ns = self.cfg.timing.step_ns(&shape);
+                if shape.prefill_tokens == 0 && shape.decode_requests > 0 {
+                    self.last_decode_timing = Some((shape.active_kv_tokens, ns));
+                }
+                ns
+            }
+        }
+    }
+
+    /// Step 5: what the produced tokens mean, observed at `end_ns`: first tokens (or a decode
+    /// resumed after preemption), a handoff prefill's pin, completions. Requests that leave
+    /// the running set go in one pass at the end.
+    fn deliver_produced(&mut self, produced: &[RequestId], end_ns: u64, fx: &mut Effects) {
+        let mut left_running = false;
+        for &id in produced {
+            let Some(s) = self.seqs.get(&id) else { continue };
+            let first = s.generated == 1;
+            let kind = s.kind;
+            let done = s.generated >= s.max_output();
+            if first {
+                fx.facts.push(Fact::FirstTokenEmitted { request: id });
+                fx.outputs.push(EngineOutput::FirstToken { request: id });
+            } else if let Some(since) = s.stalled_since_ns {
+                let stalled_ns = end_ns.saturating_sub(since);
+                fx.facts.push(Fact::DecodeResumed { request: id, stalled_ns });
+                if let Some(s) = self.seqs.get_mut(&id) {
+                    s.stalled_since_ns = None;
+                }
+            }
+            match kind {
+                SequenceKind::Source { handoff, lease_ns } => {
+                    self.pin_source(id, handoff, lease_ns, end_ns, fx);
+                    left_running = true;
+                }
+                _ if done => {
+                    self.end_request_inner(id, TerminalStatus::Completed, fx, true);
+                    left_running = true;
+                }
+                _ => {}
+            }
+        }
+        if left_running {
+            let seqs = &self.seqs;
+            self.running.retain(|r| seqs.contains_key(r));
+        }
+    }
+
+    /// A handoff prefill's terminal step: its blocks become held-prefill ownership in one
+    /// transition (no completion), and it leaves the running set.
+    fn pin_source(
+        &mut self,
+        id: RequestId,
+        handoff: HandoffId,
+        lease_ns: u64,
+        end_ns: u64,
+        fx: &mut Effects,
+    ) {
+        let Some(s) = self.seqs.remove(&id) else { return };
+        let r = self.pool.rekind_all(&s.blocks, Owner::Active, Owner::Pinned);
+        self.note_err(r);
+        self.live.remove(&id);
+        let lease = self.ids.lease();
+        let deadline_ns = end_ns.saturating_add(lease_ns);
+        let blocks = s.blocks.len() as u32;
+        let kv = self.pool.take_delta().plus(slots(-1));
+        fx.facts.push(Fact::SourcePinned { handoff, request: id, lease, blocks, deadline_ns, kv });
+        fx.outputs.push(EngineOutput::SourcePinned { handoff, request: id, lease, blocks, deadline_ns });
+        self.sources.hold(handoff, SourceEntry::Pinned { lease, blocks: s.blocks });
+        self.pinned += 1;
     }
 
     /// Recounts every block's owner references from the core's own owners (requests, pins,
@@ -897,10 +1126,11 @@ impl EngineCore for VllmCore {
         _at_ns: u64,
     ) -> CommandResult {
         let mut fx = Effects::default();
-        if self.sources.contains_key(&handoff) {
-            return self.finish_command(Err(CommandError::DuplicateHandoff(handoff)), fx);
+        if let Some(outcome) = self.sources.start_answer(handoff) {
+            return self.finish_command(outcome, fx);
         }
         if self.live.contains(&request.id) {
+            self.sources.refuse(handoff);
             let e = CommandError::InvalidState {
                 handoff,
                 command: "submit_handoff_prefill",
@@ -911,7 +1141,9 @@ impl EngineCore for VllmCore {
         let id = request.id;
         let outcome = self.enqueue(request, SequenceKind::Source { handoff, lease_ns }, &mut fx);
         if outcome == Ok(CommandOutcome::Applied) {
-            self.sources.insert(handoff, SourceEntry::Live(id));
+            self.sources.hold(handoff, SourceEntry::Live(id));
+        } else {
+            self.sources.refuse(handoff);
         }
         self.finish_command(outcome, fx)
     }
@@ -924,15 +1156,17 @@ impl EngineCore for VllmCore {
         _at_ns: u64,
     ) -> CommandResult {
         let mut fx = Effects::default();
+        if let Some(outcome) = self.dests.start_answer(handoff) {
+            return self.finish_command(outcome, fx);
+        }
         if self.backend == Backend::TrtLlm {
             // The proposal defers generation-side pre-allocation for TRT-LLM.
+            self.dests.refuse(handoff);
             let e = CommandError::Unsupported { backend: "trtllm", what: "destination reservation" };
             return self.finish_command(Err(e), fx);
         }
-        if self.dests.contains_key(&handoff) {
-            return self.finish_command(Err(CommandError::DuplicateHandoff(handoff)), fx);
-        }
         if self.live.contains(&request.id) {
+            self.dests.refuse(handoff);
             let e = CommandError::InvalidState {
                 handoff,
                 command: "reserve_destination",
@@ -942,6 +1176,7 @@ impl EngineCore for VllmCore {
         }
         let needed = self.peak_blocks(&request, false);
         if needed > self.pool.total() {
+            self.dests.refuse(handoff);
             let e = CommandError::NeverFits {
                 request: request.id,
                 needed_blocks: needed,
@@ -949,56 +1184,50 @@ impl EngineCore for VllmCore {
             };
             return self.finish_command(Err(e), fx);
         }
-        if !self.pending.is_empty() {
-            // FIFO: never overtake a queued reservation.
-            if self.pending.len() >= self.cfg.max_pending_reservations as usize {
+        let tried_epoch = match self.pending.arrival(self.cfg.max_pending_reservations) {
+            Arrival::Full => {
                 // A refusal the caller must act on: an `Err(InvalidState)` here once left the
                 // destination waiting (and renewing its source's lease) forever.
+                self.dests.refuse(handoff);
                 fx.facts.push(Fact::ReservationRefused { handoff, reason: RejectReason::NoCapacity });
                 fx.outputs
                     .push(EngineOutput::ReservationFailed { handoff, reason: RejectReason::NoCapacity });
                 return self.finish_command(Ok(CommandOutcome::Applied), fx);
             }
-            self.live.insert(request.id);
-            self.dests.insert(handoff, DestinationEntry::Pending { request, deadline_ns, tried_epoch: None });
-            self.pending.push_back(handoff);
-            fx.facts.push(Fact::ReservationQueued { handoff });
-            return self.finish_command(Ok(CommandOutcome::Unavailable), fx);
+            // FIFO: never overtake a queued reservation.
+            Arrival::Queue => None,
+            Arrival::TryNow => match self.try_reserve(&request) {
+                Some(got) => {
+                    self.live.insert(request.id);
+                    self.book_reservation(handoff, request, deadline_ns, got, &mut fx);
+                    return self.finish_command(Ok(CommandOutcome::Applied), fx);
+                }
+                None => Some(self.pool.epoch()),
+            },
+        };
+        self.live.insert(request.id);
+        self.dests.hold(handoff, DestinationEntry::Pending);
+        self.pending.push(handoff, request, deadline_ns, tried_epoch);
+        fx.facts.push(Fact::ReservationQueued { handoff });
+        if tried_epoch.is_some() {
+            fx.facts.push(Fact::ReservationRefused { handoff, reason: RejectReason::NoCapacity });
         }
-        match self.try_reserve(&request) {
-            Some(got) => {
-                self.live.insert(request.id);
-                self.book_reservation(handoff, request, deadline_ns, got, &mut fx);
-                self.finish_command(Ok(CommandOutcome::Applied), fx)
-            }
-            None => {
-                self.live.insert(request.id);
-                let epoch = self.pool.epoch();
-                self.dests.insert(
-                    handoff,
-                    DestinationEntry::Pending { request, deadline_ns, tried_epoch: Some(epoch) },
-                );
-                self.pending.push_back(handoff);
-                fx.facts.push(Fact::ReservationQueued { handoff });
-                fx.facts.push(Fact::ReservationRefused { handoff, reason: RejectReason::NoCapacity });
-                self.finish_command(Ok(CommandOutcome::Unavailable), fx)
-            }
-        }
+        self.finish_command(Ok(CommandOutcome::Unavailable), fx)
     }
 
     fn activate_destination(&mut self, handoff: HandoffId, _at_ns: u64) -> CommandResult {
         let mut fx = Effects::default();
-        match self.dests.get(&handoff) {
-            None => return self.finish_command(Err(CommandError::UnknownHandoff(handoff)), fx),
-            Some(DestinationEntry::Pending { .. }) => {
+        match self.dests.lookup(handoff) {
+            Err(outcome) => return self.finish_command(outcome, fx),
+            Ok(DestinationEntry::Pending) => {
                 let e = CommandError::InvalidState { handoff, command: "activate", state: "pending" };
                 return self.finish_command(Err(e), fx);
             }
-            Some(DestinationEntry::Activated(_)) => return self.finish_command(Ok(CommandOutcome::NoOp), fx),
-            Some(DestinationEntry::Reserved { .. }) => {}
+            Ok(DestinationEntry::Activated(_)) => return self.finish_command(Ok(CommandOutcome::NoOp), fx),
+            Ok(DestinationEntry::Reserved { .. }) => {}
         }
         let Some(DestinationEntry::Reserved { reservation, request, blocks, prefix_blocks, hashes }) =
-            self.dests.remove(&handoff)
+            self.dests.take(&handoff)
         else {
             return self.finish_command(Err(CommandError::UnknownHandoff(handoff)), fx);
         };
@@ -1035,7 +1264,7 @@ impl EngineCore for VllmCore {
         fx.facts.push(Fact::DestinationActivated { handoff, reservation, kv });
         Self::push_stored(&mut fx, runs);
         self.waiting.push_back(id);
-        self.dests.insert(handoff, DestinationEntry::Activated(id));
+        self.dests.hold(handoff, DestinationEntry::Activated(id));
         let done = self.seqs.get(&id).map(|s| s.generated >= s.max_output()).unwrap_or(false);
         if done {
             // The prefill's first token was the only one asked for.
@@ -1046,15 +1275,15 @@ impl EngineCore for VllmCore {
 
     fn release_source(&mut self, handoff: HandoffId, reason: EndReason, _at_ns: u64) -> CommandResult {
         let mut fx = Effects::default();
-        match self.sources.get(&handoff) {
-            None => return self.finish_command(Ok(CommandOutcome::NoOp), fx),
-            Some(SourceEntry::Live(_)) => {
+        match self.sources.lookup(handoff) {
+            Err(outcome) => return self.finish_command(outcome, fx),
+            Ok(SourceEntry::Live(_)) => {
                 let e = CommandError::InvalidState { handoff, command: "release_source", state: "computing" };
                 return self.finish_command(Err(e), fx);
             }
-            Some(SourceEntry::Pinned { .. }) => {}
+            Ok(SourceEntry::Pinned { .. }) => {}
         }
-        if let Some(SourceEntry::Pinned { lease, blocks }) = self.sources.remove(&handoff) {
+        if let Some(SourceEntry::Pinned { lease, blocks }) = self.sources.end(handoff) {
             self.release_all(&blocks, Owner::Pinned);
             self.pinned -= 1;
             let kv = self.pool.take_delta();
@@ -1065,16 +1294,14 @@ impl EngineCore for VllmCore {
 
     fn cancel_source(&mut self, handoff: HandoffId, reason: CancelReason, _at_ns: u64) -> CommandResult {
         let mut fx = Effects::default();
-        match self.sources.get(&handoff).cloned() {
-            None => self.finish_command(Ok(CommandOutcome::NoOp), fx),
-            Some(SourceEntry::Live(id)) => {
+        match self.sources.end_held(handoff) {
+            Err(outcome) => self.finish_command(outcome, fx),
+            Ok(SourceEntry::Live(id)) => {
                 // Queued: dropped; computing: aborted. Either way its blocks return at once.
                 self.end_request(id, TerminalStatus::Canceled, &mut fx);
-                self.sources.remove(&handoff);
                 self.finish_command(Ok(CommandOutcome::Applied), fx)
             }
-            Some(SourceEntry::Pinned { lease, blocks }) => {
-                self.sources.remove(&handoff);
+            Ok(SourceEntry::Pinned { lease, blocks }) => {
                 self.release_all(&blocks, Owner::Pinned);
                 self.pinned -= 1;
                 let kv = self.pool.take_delta();
@@ -1091,17 +1318,16 @@ impl EngineCore for VllmCore {
 
     fn cancel_destination(&mut self, handoff: HandoffId, reason: CancelReason, _at_ns: u64) -> CommandResult {
         let mut fx = Effects::default();
-        match self.dests.remove(&handoff) {
-            None => self.finish_command(Ok(CommandOutcome::NoOp), fx),
-            Some(DestinationEntry::Pending { request, .. }) => {
-                if let Some(pos) = self.pending.iter().position(|h| *h == handoff) {
-                    self.pending.remove(pos);
+        match self.dests.end_held(handoff) {
+            Err(outcome) => self.finish_command(outcome, fx),
+            Ok(DestinationEntry::Pending) => {
+                if let Some(p) = self.pending.remove(handoff) {
+                    self.live.remove(&p.request.id);
                 }
-                self.live.remove(&request.id);
                 fx.facts.push(Fact::ReservationDequeued { handoff, reason });
                 self.finish_command(Ok(CommandOutcome::Applied), fx)
             }
-            Some(DestinationEntry::Reserved { reservation, request, blocks, .. }) => {
+            Ok(DestinationEntry::Reserved { reservation, request, blocks, .. }) => {
                 self.release_all(&blocks, Owner::Reserved);
                 self.reserved -= 1;
                 self.live.remove(&request.id);
@@ -1114,7 +1340,7 @@ impl EngineCore for VllmCore {
                 });
                 self.finish_command(Ok(CommandOutcome::Applied), fx)
             }
-            Some(DestinationEntry::Activated(id)) => {
+            Ok(DestinationEntry::Activated(id)) => {
                 self.end_request(id, TerminalStatus::Canceled, &mut fx);
                 self.finish_command(Ok(CommandOutcome::Applied), fx)
             }
@@ -1127,80 +1353,13 @@ impl EngineCore for VllmCore {
         let mut budget = self.cfg.max_num_batched_tokens as u64;
         let mut scheduled = std::mem::take(&mut self.scratch_scheduled);
         scheduled.clear();
-        let mut preempted = false;
 
         // 1. Running requests, in scheduling order; make room by preempting from the back.
-        let mut i = 0;
-        while i < self.running.len() && budget > 0 {
-            let id = self.running[i];
-            let quiet = self.pool.is_quiet();
-            let bs = self.cfg.block_size as u64;
-            let Some(s) = self.seqs.get_mut(&id) else {
-                i += 1;
-                continue;
-            };
-            let (tokens, prefill) = if s.is_prefilling() {
-                let remaining = (s.target() - s.computed) as u64;
-                (remaining.min(budget), true)
-            } else {
-                (1, false)
-            };
-            let kv_tokens = s.computed as u64 + tokens;
-            // Multiply before dividing: most steps need no new block.
-            let held = s.blocks.len() as u64;
-            if !prefill && kv_tokens <= held * bs && quiet {
-                // The common decode token: no block to find, nobody to preempt, no accounting
-                // pending. Compute it now (step 4 would, unchanged by anything in between) and
-                // save step 4 the lookup.
-                s.computed += 1;
-                s.generated += 1;
-                let mut flags = ADVANCED;
-                if s.generated == 1
-                    || s.generated >= s.max_output()
-                    || matches!(s.kind, SequenceKind::Source { .. })
-                {
-                    flags |= PRODUCES;
-                }
-                if s.fills_block(self.cfg.block_size) {
-                    flags |= FILLS;
-                }
-                budget = budget.saturating_sub(1);
-                scheduled.push((id, 1, false, flags));
-                i += 1;
-                continue;
-            }
-            let need = if kv_tokens <= held * bs { 0 } else { kv_tokens.div_ceil(bs).saturating_sub(held) };
-            let mut self_preempted = false;
-            while self.pool.available() < need {
-                let Some(&victim) = self.running.last() else { break };
-                self.preempt(victim, at_ns, &mut fx, &mut step_acc);
-                preempted = true;
-                if victim == id {
-                    self_preempted = true;
-                    break;
-                }
-            }
-            if self_preempted || self.pool.available() < need {
-                break;
-            }
-            self.grow(id, need, &mut fx, &mut step_acc);
-            budget = budget.saturating_sub(tokens);
-            scheduled.push((id, tokens, prefill, 0));
-            i += 1;
-        }
+        let preempted = self.schedule_running(at_ns, &mut budget, &mut scheduled, &mut fx, &mut step_acc);
 
         // 2. Waiting requests, FIFO, unless this step preempted (vLLM does not admit then).
         if !preempted {
-            while budget > 0 && self.running.len() < self.cfg.max_num_seqs as usize {
-                let Some(&id) = self.waiting.front() else { break };
-                let Some((tokens, prefill)) = self.try_admit(id, budget, &mut fx, &mut step_acc) else {
-                    break;
-                };
-                self.waiting.pop_front();
-                self.running.push(id);
-                budget = budget.saturating_sub(tokens);
-                scheduled.push((id, tokens, prefill, 0));
-            }
+            self.admit_waiting(&mut budget, &mut scheduled, &mut fx, &mut step_acc);
         }
 
         // 3. Liveness: nothing runs and the head is blocked. Waiting requests that hold KV
@@ -1219,85 +1378,12 @@ impl EngineCore for VllmCore {
         }
 
         // 4. Compute: advance tokens, hash and publish newly full blocks.
-        let mut prefill_tokens = 0u64;
-        let mut decode_tokens = 0u64;
         let mut produced = std::mem::take(&mut self.scratch_produced);
         produced.clear();
         let mut runs = Vec::new();
-        for &(id, tokens, prefill, flags) in &scheduled {
-            if flags & ADVANCED != 0 {
-                decode_tokens += 1;
-                if flags & PRODUCES != 0 {
-                    produced.push(id);
-                }
-                if flags & FILLS != 0 {
-                    self.hash_full_blocks(id, &mut runs);
-                }
-                continue;
-            }
-            let Some(s) = self.seqs.get_mut(&id) else { continue };
-            if prefill {
-                let target = s.target();
-                // An activated destination's one-token recompute costs a decode step, not a
-                // prefill (its KV arrived by transfer).
-                let remote_tail =
-                    matches!(s.kind, SequenceKind::Destination { .. } | SequenceKind::Prefilled)
-                        && s.generated == 0
-                        && tokens == 1
-                        && s.computed + 1 == s.prompt();
-                s.computed = s.computed.saturating_add(tokens as u32);
-                if remote_tail {
-                    decode_tokens += tokens;
-                } else {
-                    prefill_tokens += tokens;
-                }
-                if s.computed >= target {
-                    s.generated += 1;
-                    produced.push(id);
-                }
-            } else {
-                s.computed += 1;
-                s.generated += 1;
-                decode_tokens += 1;
-                // Step 5 only acts on a first token, a finished request or a terminal prefill;
-                // a decode token in the middle of a request needs nothing there.
-                if s.generated == 1
-                    || s.generated >= s.max_output()
-                    || matches!(s.kind, SequenceKind::Source { .. })
-                {
-                    produced.push(id);
-                }
-            }
-            if s.fills_block(self.cfg.block_size) {
-                self.hash_full_blocks(id, &mut runs);
-            }
-        }
+        let (prefill_tokens, decode_tokens) = self.compute(&scheduled, &mut produced, &mut runs);
         step_acc = step_acc.plus(self.pool.take_delta());
-        let bs = self.bs() as u64;
-        let shape = StepShape {
-            prefill_tokens,
-            decode_requests: decode_tokens,
-            active_kv_tokens: self.pool.active_blocks() * bs,
-            total_kv_tokens: self.pool.total() * bs,
-        };
-        // Decode-only steps repeat their shape for many steps in a row (KV usage moves in whole
-        // blocks): reuse the last such step's duration when the shape is the same.
-        let duration_ns = match self.last_decode_timing {
-            Some((active, ns))
-                if shape.prefill_tokens == 0
-                    && shape.decode_requests > 0
-                    && active == shape.active_kv_tokens =>
-            {
-                ns
-            }
-            _ => {
-                let ns = self.cfg.timing.step_ns(&shape);
-                if shape.prefill_tokens == 0 && shape.decode_requests > 0 {
-                    self.last_decode_timing = Some((shape.active_kv_tokens, ns));
-                }
-                ns
-            }
-        };
+        let duration_ns = self.step_duration(prefill_tokens, decode_tokens);
         fx.facts.push(Fact::StepExecuted {
             prefill_tokens: prefill_tokens as u32,
             decode_tokens: decode_tokens as u32,
@@ -1308,65 +1394,7 @@ impl EngineCore for VllmCore {
         Self::push_stored(&mut fx, runs);
 
         // 5. Tokens produced: first tokens, pins, completions.
-        let end_ns = at_ns.saturating_add(duration_ns);
-        let mut left_running = false;
-        for &id in &produced {
-            let Some(s) = self.seqs.get(&id) else { continue };
-            let first = s.generated == 1;
-            let kind = s.kind;
-            let done = s.generated >= s.max_output();
-            if first {
-                fx.facts.push(Fact::FirstTokenEmitted { request: id });
-                fx.outputs.push(EngineOutput::FirstToken { request: id });
-            } else if let Some(since) = s.stalled_since_ns {
-                let stalled_ns = end_ns.saturating_sub(since);
-                fx.facts.push(Fact::DecodeResumed { request: id, stalled_ns });
-                if let Some(s) = self.seqs.get_mut(&id) {
-                    s.stalled_since_ns = None;
-                }
-            }
-            match kind {
-                SequenceKind::Source { handoff, lease_ns } => {
-                    // Terminal prefill → held-prefill ownership, one transition, no completion.
-                    let Some(s) = self.seqs.remove(&id) else { continue };
-                    let r = self.pool.rekind_all(&s.blocks, Owner::Active, Owner::Pinned);
-                    self.note_err(r);
-                    left_running = true;
-                    self.live.remove(&id);
-                    let lease = SourceLeaseId(self.next_lease);
-                    self.next_lease += 1;
-                    let deadline_ns = end_ns.saturating_add(lease_ns);
-                    let blocks = s.blocks.len() as u32;
-                    let kv = self.pool.take_delta().plus(slots(-1));
-                    fx.facts.push(Fact::SourcePinned {
-                        handoff,
-                        request: id,
-                        lease,
-                        blocks,
-                        deadline_ns,
-                        kv,
-                    });
-                    fx.outputs.push(EngineOutput::SourcePinned {
-                        handoff,
-                        request: id,
-                        lease,
-                        blocks,
-                        deadline_ns,
-                    });
-                    self.sources.insert(handoff, SourceEntry::Pinned { lease, blocks: s.blocks });
-                    self.pinned += 1;
-                }
-                _ if done => {
-                    self.end_request_inner(id, TerminalStatus::Completed, &mut fx, true);
-                    left_running = true;
-                }
-                _ => {}
-            }
-        }
-        if left_running {
-            let seqs = &self.seqs;
-            self.running.retain(|r| seqs.contains_key(r));
-        }
+        self.deliver_produced(&produced, at_ns.saturating_add(duration_ns), &mut fx);
         self.retry_pending(&mut fx);
         self.scratch_scheduled = scheduled;
         self.scratch_produced = produced;
@@ -1409,14 +1437,10 @@ impl EngineCore for VllmCore {
         if self.running.len() as u64 > self.cfg.max_num_batched_tokens as u64 {
             return None;
         }
-        if let Some(h) = self.pending.front() {
-            // `retry_pending` does nothing while the head was tried at this capacity epoch
-            // (quiet steps never change it).
-            match self.dests.get(h) {
-                Some(DestinationEntry::Pending { tried_epoch, .. })
-                    if *tried_epoch == Some(self.pool.epoch()) => {}
-                _ => return None,
-            }
+        // `retry_pending` does nothing while the head was tried at this capacity epoch (quiet
+        // steps never change it).
+        if self.pending.head_is_due(self.pool.epoch()) {
+            return None;
         }
         // The duration comes from the decode memo, keyed by active KV, which no quiet step
         // changes.
