@@ -148,6 +148,7 @@ impl Net {
             reservation_ns: RESERVATION_NS,
             renew_ns: None,
             kv_bytes_per_token: 1024,
+            publish_kv_events: true,
         };
         let nodes =
             [WorkerNode::new(p, core(p, backend), config), WorkerNode::new(d, core(d, backend), config)];
@@ -696,6 +697,7 @@ mod runtime_nodes {
             reservation_ns: LEASE_NS,
             renew_ns: None,
             kv_bytes_per_token: 1024,
+            publish_kv_events: true,
         }
     }
 

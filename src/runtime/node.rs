@@ -72,6 +72,9 @@ pub struct NodeConfig {
     /// The destination's heartbeat to its source, if it sends one.
     pub renew_ns: Option<u64>,
     pub kv_bytes_per_token: u64,
+    /// Tell the frontend of every KV block stored or removed (its routers keep a KV index
+    /// only when they route by KV overlap).
+    pub publish_kv_events: bool,
 }
 
 /// A core command of this node.
@@ -394,6 +397,11 @@ impl WorkerNode {
         if let Some(effects) = self.pending.take() {
             self.apply_effects(at_ns, effects, ready);
         }
+    }
+
+    /// Whether a command waits in the inbox for the step in flight.
+    pub fn has_waiting(&self) -> bool {
+        !self.inbox.is_empty()
     }
 
     /// Applies the oldest command that waited in the inbox, releasing the messages held with
@@ -972,9 +980,11 @@ impl WorkerNode {
     /// The core's facts go to the stream (the routers hear of KV changes, the frontend of pins
     /// released); its outputs drive the role machines and the frontend.
     fn apply_effects(&mut self, at_ns: u64, mut effects: Effects, ready: &mut Ready) {
-        for f in effects.facts.drain(..) {
-            match &f {
-                Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared => {
+        for f in &effects.facts {
+            match f {
+                Fact::KvStored { .. } | Fact::KvRemoved { .. } | Fact::KvCleared
+                    if self.config.publish_kv_events =>
+                {
                     ready.outputs.push(Output::ToFrontend(ToFrontend::KvChanged { fact: f.clone() }));
                 }
                 Fact::SourcePinned { handoff, .. } => {
@@ -986,7 +996,13 @@ impl WorkerNode {
                 }
                 _ => {}
             }
-            ready.facts.push(f);
+        }
+        if ready.facts.is_empty() {
+            // Most inputs apply one batch of effects: hand the batch over instead of copying it
+            // (the emptied buffer goes back to the core with `effects`).
+            std::mem::swap(&mut ready.facts, &mut effects.facts);
+        } else {
+            ready.facts.append(&mut effects.facts);
         }
         for o in effects.outputs.drain(..) {
             self.on_output(at_ns, o, ready);
@@ -1003,7 +1019,14 @@ impl WorkerNode {
     fn on_output(&mut self, at_ns: u64, o: EngineOutput, ready: &mut Ready) {
         let to_frontend = |ready: &mut Ready, m| ready.outputs.push(Output::ToFrontend(m));
         match o {
-            EngineOutput::FirstToken { request } => to_frontend(ready, ToFrontend::FirstToken { request }),
+            // A handoff prefill's first token is its own, not the user's: only the Disabled
+            // policy's prefill (whose compute ends with it) and decode workers report theirs.
+            EngineOutput::FirstToken { request }
+                if self.id.role != Role::Prefill || self.config.policy == HandoffPolicy::Disabled =>
+            {
+                to_frontend(ready, ToFrontend::FirstToken { request })
+            }
+            EngineOutput::FirstToken { .. } => {}
             EngineOutput::Finished { request, status, .. }
                 if status == TerminalStatus::Completed && self.disabled_prefill() =>
             {

@@ -387,6 +387,9 @@ fn node_config(cfg: &ReplayConfig, policy: HandoffPolicy) -> NodeConfig {
         reservation_ns: cfg.reservation_timeout_ms * NS_PER_MS,
         renew_ns: cfg.lease_renew_ms.map(|ms| ms * NS_PER_MS),
         kv_bytes_per_token: cfg.transfer.kv_bytes_per_token(),
+        publish_kv_events: [&cfg.prefill_router, &cfg.decode_router]
+            .into_iter()
+            .any(|m| matches!(m, crate::router::RouterMode::KvAware { .. })),
     }
 }
 

@@ -42,6 +42,10 @@ impl Replay<'_> {
             self.observe(slot, &fact, now);
             self.sink.push(worker, now, fact)?;
         }
+        if ready.outputs.is_empty() {
+            self.spare_ready.push(ready);
+            return Ok(());
+        }
         // The buffer is kept while its outputs are carried out: a delivery they cause takes
         // another from the pool, so the pool holds one per nesting level at most.
         let mut outputs = std::mem::take(&mut ready.outputs);
@@ -83,6 +87,10 @@ impl Replay<'_> {
     /// workers (delivered at once), then the requests that ended.
     pub(super) fn carry_out_frontend(&mut self, mut out: FrontendReady) -> Result<(), ReplayError> {
         let now = self.now_ns;
+        if out.facts.is_empty() && out.timers.is_empty() && out.sends.is_empty() && out.ended.is_empty() {
+            self.spare_front.push(out);
+            return Ok(());
+        }
         for fact in out.facts.drain(..) {
             self.emit_router(now, fact)?;
         }

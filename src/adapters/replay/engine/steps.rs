@@ -17,7 +17,7 @@ impl Replay<'_> {
             }
         }
         self.on_node(s, |n, now, r| n.finish_step(now, r))?;
-        while self.on_node(s, |n, now, r| n.apply_next_waiting(now, r))? {}
+        while self.nodes[s].has_waiting() && self.on_node(s, |n, now, r| n.apply_next_waiting(now, r))? {}
         if self.queue.has_due(now) {
             self.queue.push_start(s, now);
         } else {
