@@ -291,43 +291,11 @@ impl DestinationHandoff {
                 }
                 // Otherwise a duplicate, or late after release.
             }
-            DestinationEvent::Reserved { reservation, prefix_tokens, missing_tokens } => {
-                let info = ReservationInfo { id: reservation, prefix_tokens, missing_tokens };
-                match self.state {
-                    DestinationState::NotRouted => return Err(self.err(ev.name())),
-                    DestinationState::Reserving => {
-                        self.reservation = Some(info);
-                        let deadline_ns = at_ns.saturating_add(self.config.reservation_ns);
-                        self.deadline_ns = Some(deadline_ns);
-                        self.state = DestinationState::Reserved { reservation };
-                        t.actions.push(DestinationAction::ScheduleReservationTimer { deadline_ns });
-                        self.send_reserved(&mut t);
-                        if self.source_ready.is_some() {
-                            self.start_receive(&mut t)?;
-                        }
-                    }
-                    DestinationState::Reserved { reservation: r }
-                    | DestinationState::Receiving { reservation: r }
-                    | DestinationState::Active { reservation: r } => {
-                        if r != reservation {
-                            return Err(self.err("Reserved(second reservation)"));
-                        }
-                    }
-                    DestinationState::Released { how } => match self.reservation {
-                        Some(r) if r.id == reservation => {}
-                        Some(_) => return Err(self.err("Reserved(second reservation)")),
-                        None if self.reserve_issued => {
-                            // The core reserved before it saw our cancel: end it now.
-                            self.reservation = Some(info);
-                            t.actions.push(DestinationAction::ReleaseDestination {
-                                reservation: Some(reservation),
-                                reason: how,
-                            });
-                        }
-                        None => return Err(self.err(ev.name())),
-                    },
-                }
-            }
+            DestinationEvent::Reserved { reservation, prefix_tokens, missing_tokens } => self.on_reserved(
+                &mut t,
+                ReservationInfo { id: reservation, prefix_tokens, missing_tokens },
+                at_ns,
+            )?,
             DestinationEvent::ReservationFailed { reason } => match self.state {
                 DestinationState::Reserving => {
                     // The core dropped the request itself: nothing to free here.
@@ -351,23 +319,7 @@ impl DestinationHandoff {
                 DestinationState::Active { .. } | DestinationState::Released { .. } => {}
                 _ => return Err(self.err(ev.name())),
             },
-            DestinationEvent::ReservationExpired => match self.state {
-                DestinationState::Reserved { reservation } | DestinationState::Receiving { reservation } => {
-                    let deadline = self.deadline_ns.unwrap_or(0);
-                    if at_ns >= deadline {
-                        self.state = DestinationState::Released { how: EndReason::Expired };
-                        t.facts.push(Fact::ReservationExpired { handoff: self.id, reservation });
-                        t.actions.push(DestinationAction::ReleaseDestination {
-                            reservation: Some(reservation),
-                            reason: EndReason::Expired,
-                        });
-                        self.send_abort(&mut t, CancelReason::TransferFailed);
-                    }
-                }
-                // Activated or released: the timer outlived the reservation.
-                DestinationState::Active { .. } | DestinationState::Released { .. } => {}
-                DestinationState::NotRouted | DestinationState::Reserving => return Err(self.err(ev.name())),
-            },
+            DestinationEvent::ReservationExpired => self.on_reservation_expired(&mut t, at_ns, ev)?,
             DestinationEvent::Cancelled { reason } => {
                 if !self.is_released() {
                     self.cancel(&mut t, reason, true);
@@ -394,6 +346,80 @@ impl DestinationHandoff {
             DestinationEvent::Message(msg) => self.on_message(&mut t, msg)?,
         }
         Ok(t)
+    }
+
+    /// The core reported the reservation: hold it until the source is ready, or end one the
+    /// core made after a cancel it had not seen.
+    fn on_reserved(
+        &mut self,
+        t: &mut DestinationTransition,
+        info: ReservationInfo,
+        at_ns: u64,
+    ) -> Result<(), TransitionError> {
+        let name = "Reserved";
+        let reservation = info.id;
+        match self.state {
+            DestinationState::NotRouted => return Err(self.err(name)),
+            DestinationState::Reserving => {
+                self.reservation = Some(info);
+                let deadline_ns = at_ns.saturating_add(self.config.reservation_ns);
+                self.deadline_ns = Some(deadline_ns);
+                self.state = DestinationState::Reserved { reservation };
+                t.actions.push(DestinationAction::ScheduleReservationTimer { deadline_ns });
+                self.send_reserved(t);
+                if self.source_ready.is_some() {
+                    self.start_receive(t)?;
+                }
+            }
+            DestinationState::Reserved { reservation: r }
+            | DestinationState::Receiving { reservation: r }
+            | DestinationState::Active { reservation: r } => {
+                if r != reservation {
+                    return Err(self.err("Reserved(second reservation)"));
+                }
+            }
+            DestinationState::Released { how } => match self.reservation {
+                Some(r) if r.id == reservation => {}
+                Some(_) => return Err(self.err("Reserved(second reservation)")),
+                None if self.reserve_issued => {
+                    // The core reserved before it saw our cancel: end it now.
+                    self.reservation = Some(info);
+                    t.actions.push(DestinationAction::ReleaseDestination {
+                        reservation: Some(reservation),
+                        reason: how,
+                    });
+                }
+                None => return Err(self.err(name)),
+            },
+        }
+        Ok(())
+    }
+
+    /// The reservation timer fired: a reservation still unread at its deadline is released.
+    fn on_reservation_expired(
+        &mut self,
+        t: &mut DestinationTransition,
+        at_ns: u64,
+        ev: DestinationEvent,
+    ) -> Result<(), TransitionError> {
+        match self.state {
+            DestinationState::Reserved { reservation } | DestinationState::Receiving { reservation } => {
+                let deadline = self.deadline_ns.unwrap_or(0);
+                if at_ns >= deadline {
+                    self.state = DestinationState::Released { how: EndReason::Expired };
+                    t.facts.push(Fact::ReservationExpired { handoff: self.id, reservation });
+                    t.actions.push(DestinationAction::ReleaseDestination {
+                        reservation: Some(reservation),
+                        reason: EndReason::Expired,
+                    });
+                    self.send_abort(t, CancelReason::TransferFailed);
+                }
+            }
+            // Activated or released: the timer outlived the reservation.
+            DestinationState::Active { .. } | DestinationState::Released { .. } => {}
+            DestinationState::NotRouted | DestinationState::Reserving => return Err(self.err(ev.name())),
+        };
+        Ok(())
     }
 
     fn on_message(
