@@ -321,7 +321,10 @@ impl Frontend {
     ) -> Result<(), RuntimeError> {
         match message {
             ToFrontend::SessionStarted { generation } => {
-                self.generations.insert(from, generation);
+                let previous = self.generations.insert(from, generation);
+                if previous.is_some_and(|p| p < generation) {
+                    self.session_reset(at_ns, from, out);
+                }
             }
             ToFrontend::KvChanged { fact } => {
                 self.prefill_router.observe(from, &fact);
@@ -492,6 +495,30 @@ impl Frontend {
             self.fail_unless_activated(at_ns, request, out);
         }
         self.forget(handoff);
+    }
+
+    /// A worker came back under a new session: every role the frontend still believes is on
+    /// it (one whose start was lost with the old session's connection) ended there, failed.
+    fn session_reset(&mut self, at_ns: u64, worker: WorkerId, out: &mut FrontendReady) {
+        let mut lost = Vec::new();
+        for (h, t) in &self.handoffs {
+            let Some(p) = self.guards.get(&t.request).map(|g| g.placement) else { continue };
+            if t.source_held && p.prefill == Some(worker) {
+                lost.push((*h, HandoffRole::Source));
+            }
+            if t.destination_held && p.decode == Some(worker) {
+                lost.push((*h, HandoffRole::Destination));
+            }
+        }
+        for (h, role) in lost {
+            // The old session's core held nothing for it any more either.
+            if let Some(t) = self.handoffs.get_mut(&h) {
+                if role == HandoffRole::Source {
+                    t.computing = false;
+                }
+            }
+            self.role_ended(at_ns, h, role, false, false, out);
+        }
     }
 
     fn fail_unless_activated(&mut self, at_ns: u64, request: RequestId, out: &mut FrontendReady) {

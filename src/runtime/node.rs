@@ -623,7 +623,7 @@ impl WorkerNode {
     /// handoffs, sources first, for the transport to tell their peers.
     pub fn restart(&mut self, at_ns: u64, ready: &mut Ready) -> Vec<HandoffId> {
         self.generation = Generation(self.generation.0.saturating_add(1));
-        self.start(ready);
+        ready.facts.push(Fact::SessionStarted { generation: self.generation });
         let sources: Vec<HandoffId> = self.sources.keys().copied().collect();
         let destinations: Vec<HandoffId> = self.destinations.keys().copied().collect();
         for h in &sources {
@@ -634,6 +634,9 @@ impl WorkerNode {
             let ev = DestinationEvent::Cancelled { reason: CancelReason::OwnerLost };
             self.destination_event(at_ns, *h, ev, false, ready);
         }
+        // The frontend hears of the new session after the roles' ends: whatever it still
+        // believes is on this worker was lost with the old session (a start still in flight).
+        ready.outputs.push(Output::ToFrontend(ToFrontend::SessionStarted { generation: self.generation }));
         sources.into_iter().chain(destinations).collect()
     }
 

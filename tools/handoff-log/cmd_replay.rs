@@ -248,7 +248,12 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
     };
     let gpus_per_worker = cfg.gpus_per_worker;
     let started = Instant::now();
-    let options = ReplayOptions { trace: Some(trace_identity), slo: a.slo.unwrap_or_default(), per_request };
+    let options = ReplayOptions {
+        trace: Some(trace_identity),
+        slo: a.slo.unwrap_or_default(),
+        per_request,
+        check_every_event: false,
+    };
     let replay = Replay::with_options(cfg, trace, &out_dir, options)?.with_progress(&mut progress);
     let outcome = replay.run()?;
     let wall_ms = started.elapsed().as_secs_f64() * 1e3;

@@ -8,6 +8,7 @@ mod cmd_inspect;
 mod cmd_project;
 mod cmd_replay;
 mod cmd_show;
+mod cmd_simulate;
 mod cmd_sweep;
 mod cmd_timeline;
 mod cmd_verify;
@@ -123,6 +124,12 @@ enum Command {
     /// `compare` table of them. Exit 0 when every run drained, 1 naming a run that did not, 2
     /// for unusable input or a run that stopped with an error.
     Sweep(Box<cmd_sweep::SweepArgs>),
+    /// Randomized whole runs, one per seed: each seed draws the cluster, engine sizes,
+    /// timeouts, a trace and network faults (drops, doubles, delays, a partition, pauses, a
+    /// crash, late timers), runs it checking every worker after every event, then checks the
+    /// log (drained, every request ended once, every pin and reservation released once).
+    /// Exit 0 when every seed is clean, 1 naming each failing seed and how to reproduce it.
+    Simulate(cmd_simulate::SimulateArgs),
     /// Every worker's capacity snapshot, scheduler queues and router bookings at an instant
     /// (all records with at_ns <= T applied). Uses the run's index when present.
     At {
@@ -232,6 +239,7 @@ fn main() -> ExitCode {
         }
         Command::Compare(args) => cmd_compare::run(&args),
         Command::Sweep(args) => cmd_sweep::run(&args),
+        Command::Simulate(args) => cmd_simulate::run(&args),
         Command::At { log, time, json } => cmd_at::run(&log, &time, json),
         Command::Index { log, json } => cmd_index::run(&log, json),
         Command::Completions { shell } => {

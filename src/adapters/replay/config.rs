@@ -68,6 +68,11 @@ pub struct ReplayConfig {
     pub max_in_flight: usize,
     /// Faults to inject (see `faults`): empty for a fault-free run.
     pub faults: Vec<FaultSpec>,
+    /// The network's and the nemesis' faults (see `nemesis`): off unless given. Left out of
+    /// the serialized configuration when off, so a run's id and config digest stay what they
+    /// were before the key existed.
+    #[serde(skip_serializing_if = "crate::adapters::replay::nemesis::NetworkFaults::is_off")]
+    pub network: crate::adapters::replay::nemesis::NetworkFaults,
     /// Apply runs of quiet decode steps in one go instead of one event each (see
     /// `engine::quiet::QuietRun`). Logs and report are the same either way; off, the full Mooncake
     /// replay takes about 1.3x as long. A parity switch for tests, and a way to rule it out.
@@ -109,6 +114,7 @@ impl Default for ReplayConfig {
             arrival_speedup: 1.0,
             max_in_flight: 1_000_000,
             faults: Vec::new(),
+            network: Default::default(),
             coalesce_quiet_steps: true,
             scale: Vec::new(),
             planner: None,
@@ -332,6 +338,26 @@ impl ReplayConfig {
         self.validate_cluster_memory()?;
         crate::adapters::replay::faults::validate(&self.faults, self.effective_policy())
             .map_err(ConfigError::Invalid)?;
+        if !self.network.is_off() {
+            self.network.validate(&self.known_workers(), MAX_DURATION_MS).map_err(ConfigError::Invalid)?;
+        }
         Ok(())
+    }
+
+    /// Every worker name the run may have: the starting ones, and every joiner's when the
+    /// cluster may scale.
+    pub fn known_workers(&self) -> Vec<String> {
+        use crate::ids::WorkerId;
+        let (p, d, a) = if self.scale.is_empty() && self.planner.is_none() {
+            (self.prefill_workers, self.decode_workers, self.workers)
+        } else {
+            (MAX_WORKERS, MAX_WORKERS, self.workers)
+        };
+        if self.is_disaggregated() {
+            let prefill = (0..p).map(|i| WorkerId::prefill(i).to_string());
+            prefill.chain((0..d).map(|i| WorkerId::decode(i).to_string())).collect()
+        } else {
+            (0..a).map(|i| WorkerId::aggregated(i).to_string()).collect()
+        }
     }
 }

@@ -120,6 +120,10 @@ impl Replay<'_> {
         let s = self.nodes.len();
         self.nodes.push(WorkerNode::new(w, core, node_config(&self.cfg, self.policy)));
         self.members.push(Member::default());
+        self.nemesis.paused_until_ns.push(0);
+        if let Some(f) = self.folded.as_mut() {
+            f.push(self.nodes[s].core().snapshot());
+        }
         if self.queue.add_lane() != s {
             return Err(ReplayError::Engine(format!("{w}: its lane and slot differ")));
         }

@@ -161,7 +161,7 @@ impl Replay<'_> {
                 self.hold();
                 let mut told = Vec::new();
                 for s in [p, d].into_iter().flatten() {
-                    if self.on_node(s, |n, now, r| n.on_peer_lost(now, h, r))? {
+                    if self.peer_lost(s, h)? {
                         told.push(self.nodes[s].id().to_string());
                     }
                 }
@@ -169,11 +169,17 @@ impl Replay<'_> {
                 self.faults.note(i, format!("peer-lost delivered locally to [{}]", told.join(", ")));
             }
             FaultKind::RestartSource => match p {
-                Some(p) => self.restart_worker(p, i)?,
+                Some(p) => {
+                    let text = self.restart_worker(p)?;
+                    self.faults.note(i, text);
+                }
                 None => self.faults.note(i, "no source to restart".into()),
             },
             FaultKind::RestartDestination => match d {
-                Some(d) => self.restart_worker(d, i)?,
+                Some(d) => {
+                    let text = self.restart_worker(d)?;
+                    self.faults.note(i, text);
+                }
                 None => self.faults.note(i, "no destination to restart".into()),
             },
             FaultKind::DuplicateMessage => {
@@ -189,14 +195,14 @@ impl Replay<'_> {
     /// The worker's session ends and a new one starts: a new generation, every handoff the old
     /// one held canceled locally (`OwnerLost`, its core frees the resources), each peer told by
     /// its transport (`PeerLost`) — never by a message from the dead incarnation.
-    fn restart_worker(&mut self, s: usize, fault: usize) -> Result<(), ReplayError> {
+    pub(super) fn restart_worker(&mut self, s: usize) -> Result<String, ReplayError> {
         self.faults.restarted = true;
         self.hold();
         let held = self.on_node(s, |n, now, r| n.restart(now, r))?;
         let mut peers = 0;
         for h in &held {
             for ps in (0..self.nodes.len()).filter(|ps| *ps != s) {
-                if self.on_node(ps, |n, now, r| n.on_peer_lost(now, *h, r))? {
+                if self.peer_lost(ps, *h)? {
                     peers += 1;
                 }
             }
@@ -209,8 +215,7 @@ impl Replay<'_> {
             held.len(),
             peers
         );
-        self.faults.note(fault, text);
-        Ok(())
+        Ok(text)
     }
 
     /// The plan's outcome at the end of the run: faults never fired say why.

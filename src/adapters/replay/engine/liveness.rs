@@ -27,6 +27,14 @@ impl Replay<'_> {
         if Self::is_progress(fact) {
             self.last_progress_ns = at_ns;
         }
+        if let Some(folded) = self.folded.as_mut() {
+            let d = fact.kv_delta();
+            if let Err(v) = folded[slot].apply(&d) {
+                // Reported by the check after this event, with the worker and the instant.
+                self.invariant =
+                    Some(format!("{}: {fact:?} at t={at_ns} ns breaks capacity: {v}", self.nodes[slot].id()));
+            }
+        }
         match fact {
             Fact::RequestPreempted { request, .. } => self.note_preemption(slot, *request, at_ns),
             // Progress on the worker: a request finished, pinned its prefill or got its first
@@ -36,6 +44,30 @@ impl Replay<'_> {
             }
             _ => {}
         }
+    }
+
+    /// The per-event check (`ReplayOptions::check_every_event`): every worker's folded facts,
+    /// core counters and recount agree, and blocks are conserved.
+    pub(super) fn check_invariants(&mut self) -> Result<(), super::ReplayError> {
+        let Some(folded) = self.folded.as_ref() else { return Ok(()) };
+        let at = self.now_ns;
+        if let Some(why) = self.invariant.take() {
+            return Err(super::ReplayError::Engine(format!("invariant broken: {why}")));
+        }
+        for (node, fold) in self.nodes.iter().zip(folded) {
+            // A step in flight has changed the core already and shows its facts at its end.
+            if node.is_busy() {
+                continue;
+            }
+            let (counted, recounted) = (node.core().snapshot(), node.core().audit());
+            if *fold != counted || counted != recounted || !counted.is_conserved() {
+                return Err(super::ReplayError::Engine(format!(
+                    "invariant broken on {} at t={at} ns: folded facts {fold}, core counters {counted}, recount {recounted}",
+                    node.id()
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Whether a fact shows the run moving. Lease renewals, their messages and refused

@@ -35,6 +35,7 @@ use crate::adapters::replay::config::{ConfigError, ReplayConfig};
 use crate::adapters::replay::contention::ContentionModel;
 use crate::adapters::replay::faults::{FaultReport, FaultState};
 use crate::adapters::replay::identity::{self, TraceIdentity};
+use crate::adapters::replay::nemesis::{Nemesis, NetworkReport};
 use crate::adapters::replay::queue::EventQueue;
 use crate::adapters::replay::scaling::{Planner, ScalingDecision};
 use crate::adapters::replay::sink::FactSink;
@@ -119,6 +120,8 @@ pub struct ReplayOutcome {
     pub workload: WorkloadStats,
     /// Every planned change and planner decision, in the order applied.
     pub scaling: Vec<ScalingDecision>,
+    /// What the network's and the nemesis' faults did.
+    pub network: NetworkReport,
 }
 
 /// Progress callback: (requests arrived, virtual time ns).
@@ -133,6 +136,10 @@ pub struct ReplayOptions {
     pub slo: Slo,
     /// Receives each request's record as it ends (`--per-request`).
     pub per_request: Option<PerRequestSink>,
+    /// After every event, check each worker: the fold of the facts it wrote equals its core's
+    /// counters and a recount of its block structures, and the counters conserve blocks
+    /// (`simulate`; slow).
+    pub check_every_event: bool,
 }
 
 pub struct Replay<'a> {
@@ -176,6 +183,12 @@ pub struct Replay<'a> {
     next_progress: u64,
     /// Fault injection (inert without a fault plan).
     faults: FaultState,
+    /// The network's and the nemesis' faults (inert unless configured).
+    nemesis: Nemesis,
+    /// Per slot, the capacity folded from the facts written (only with `check_every_event`).
+    folded: Option<Vec<crate::model::KvCapacitySnapshot>>,
+    /// A broken invariant found while writing a fact, reported after the event.
+    invariant: Option<String>,
     /// Quiet runs in progress, by slot (see [`QuietRun`](quiet::QuietRun)).
     quiet: QuietRuns,
     /// Set when a worker is found livelocked: the run stops and says why.
@@ -260,7 +273,10 @@ impl<'a> Replay<'a> {
             Box::new(PromptLink(cfg.transfer)),
         );
         let (prefill_slots, decode_slots) = role_slots(&workers);
+        let folded = options.check_every_event.then(|| nodes.iter().map(|n| n.core().snapshot()).collect());
         let mut r = Replay {
+            folded,
+            invariant: None,
             policy,
             now_ns: 0,
             events: 0,
@@ -286,8 +302,13 @@ impl<'a> Replay<'a> {
             progress: None,
             next_progress: 4096,
             faults: FaultState::new(&cfg.faults),
-            // Fault phases are checked at every event boundary: keep them all.
-            quiet: QuietRuns::new(cfg.coalesce_quiet_steps && cfg.faults.is_empty(), workers.len()),
+            nemesis: Nemesis::new(cfg.network.clone(), cfg.seed, workers.len()),
+            // Fault phases are checked at every event boundary, and a paused worker's steps
+            // wait: keep every boundary.
+            quiet: QuietRuns::new(
+                cfg.coalesce_quiet_steps && cfg.faults.is_empty() && cfg.network.is_off(),
+                workers.len(),
+            ),
             livelock: None,
             last_progress_ns: 0,
             progress_limit_ns: 0,
@@ -331,6 +352,14 @@ impl<'a> Replay<'a> {
         if let Some(p) = &self.planner {
             let at = p.interval_ns();
             self.push(at, Event::PlannerTick);
+        }
+        for i in 0..self.cfg.network.pauses.len() {
+            let at = self.cfg.network.pauses[i].at_ms.saturating_mul(NS_PER_MS);
+            self.push(at, Event::Pause(i));
+        }
+        for i in 0..self.cfg.network.crashes.len() {
+            let at = self.cfg.network.crashes[i].at_ms.saturating_mul(NS_PER_MS);
+            self.push(at, Event::Crash(i));
         }
         Ok(())
     }

@@ -61,12 +61,13 @@ impl Replay<'_> {
         let now = self.now_ns;
         match output {
             Output::ToFrontend(message) => self.send_local(Local::ToFrontend { from: worker, message })?,
-            Output::ToWorker { to, message } => {
-                let to = self.slot_of(to);
-                self.push(now, Event::Deliver { slot: to, msg: message });
-            }
+            Output::ToWorker { to, message } => self.send_handoff(worker, to, message),
             Output::Command { at_ns, command } => self.push(at_ns, Event::Command { slot, command }),
-            Output::Timer { at_ns, timer } => self.push(at_ns, Event::Timer { slot, timer }),
+            Output::Timer { at_ns, timer } => {
+                let at_ns =
+                    if self.nemesis.is_off() { at_ns } else { self.nemesis.timer_at(worker, now, at_ns) };
+                self.push(at_ns, Event::Timer { slot, timer });
+            }
             Output::StartTransfer { handoff, from, missing_tokens, bytes } => {
                 if self.contention.is_some() {
                     self.start_shared_transfer(slot, handoff, from, bytes)?;
@@ -135,10 +136,34 @@ impl Replay<'_> {
             }
             Local::ToWorker { to, message } => {
                 let slot = self.slot_of(to);
+                if let Some(until) = self.nemesis.paused(slot, now) {
+                    let generation = self.nodes[slot].generation();
+                    self.push(until, Event::FromFrontend { slot, message, generation });
+                    return Ok(());
+                }
                 let mut ready = self.take_ready();
                 self.nodes[slot].on_frontend(now, message, &mut ready)?;
                 self.carry_out(slot, ready)
             }
+        }
+    }
+
+    /// A handoff message between workers, as the network treats it: delivered now, or lost,
+    /// delayed or doubled by the nemesis.
+    fn send_handoff(
+        &mut self,
+        from: WorkerId,
+        to: WorkerId,
+        message: crate::lifecycle::messages::HandoffMessage,
+    ) {
+        let now = self.now_ns;
+        let slot = self.slot_of(to);
+        if self.nemesis.is_off() {
+            self.push(now, Event::Deliver { slot, msg: message });
+            return;
+        }
+        for delay in self.nemesis.fate(from, to, now).deliveries.into_iter().flatten() {
+            self.push(now.saturating_add(delay), Event::Deliver { slot, msg: message });
         }
     }
 

@@ -46,6 +46,40 @@ pub(super) enum Event {
     Scale(usize),
     /// The planner looks at the recent requests (every `planner.interval_ms`).
     PlannerTick,
+    /// A frontend message that reached a paused worker, delivered when it resumes, unless
+    /// the worker crashed meanwhile (`generation` is the session it was sent to: a crash
+    /// resets the connection and what waited in it is lost).
+    FromFrontend {
+        slot: usize,
+        message: crate::runtime::ToWorker,
+        generation: crate::ids::Generation,
+    },
+    /// The transport of a worker that was paused when its peer was lost tells it now.
+    PeerLost {
+        slot: usize,
+        handoff: HandoffId,
+        generation: crate::ids::Generation,
+    },
+    /// `network.pauses[i]` begins.
+    Pause(usize),
+    /// `network.crashes[i]` is due.
+    Crash(usize),
+}
+
+impl Event {
+    /// The worker an event is for, if it is for one.
+    fn slot(&self) -> Option<usize> {
+        match self {
+            Event::StepDone(s) | Event::StepStart(s) => Some(*s),
+            Event::Command { slot, .. }
+            | Event::Deliver { slot, .. }
+            | Event::TransferDone { slot, .. }
+            | Event::Timer { slot, .. }
+            | Event::FromFrontend { slot, .. }
+            | Event::PeerLost { slot, .. } => Some(*slot),
+            _ => None,
+        }
+    }
 }
 
 impl Replay<'_> {
@@ -68,6 +102,7 @@ impl Replay<'_> {
                 self.events += 1;
             }
             self.handle(ev)?;
+            self.check_invariants()?;
             if !self.leaving.is_empty() {
                 self.check_leaving()?;
             }
@@ -105,10 +140,18 @@ impl Replay<'_> {
             faults,
             workload: self.workload.stats(),
             scaling,
+            network: self.nemesis.report,
         })
     }
 
     fn handle(&mut self, ev: Event) -> Result<(), ReplayError> {
+        // A paused worker gets nothing until it resumes; its events wait, in order.
+        if !self.nemesis.is_off() {
+            if let Some(until) = ev.slot().and_then(|s| self.nemesis.paused(s, self.now_ns)) {
+                self.defer_for_pause(ev, until);
+                return Ok(());
+            }
+        }
         // Fault injection may drop, reject or double a delivery.
         if self.faults.active() && self.fault_intercepts(&ev)? {
             return self.fault_boundary();
@@ -132,11 +175,82 @@ impl Replay<'_> {
             Event::FaultTimer => {}
             Event::Scale(i) => self.on_planned_scale(i)?,
             Event::PlannerTick => self.on_planner_tick()?,
+            Event::FromFrontend { slot, message, generation } => {
+                if self.nodes[slot].generation() == generation {
+                    self.on_node(slot, |n, now, r| n.on_frontend(now, message, r))??;
+                }
+            }
+            Event::PeerLost { slot, handoff, generation } => {
+                if self.nodes[slot].generation() == generation {
+                    self.peer_lost(slot, handoff)?;
+                }
+            }
+            Event::Pause(i) => self.on_pause(i)?,
+            Event::Crash(i) => self.on_crash(i)?,
         }
         if self.faults.active() {
             self.fault_boundary()?;
         }
         Ok(())
+    }
+
+    fn defer_for_pause(&mut self, ev: Event, until_ns: u64) {
+        match ev {
+            Event::StepStart(s) => {
+                self.queue.push_start(s, until_ns);
+            }
+            Event::StepDone(s) => self.queue.push_lane(s, until_ns, Event::StepDone(s)),
+            other => self.push(until_ns, other),
+        }
+    }
+
+    /// A worker's transport tells it the peer of `handoff` is gone; a paused worker hears of it
+    /// when it resumes. True when a role of the handoff is (or, paused, was) on it.
+    pub(super) fn peer_lost(&mut self, slot: usize, handoff: HandoffId) -> Result<bool, ReplayError> {
+        if let Some(until) = self.nemesis.paused(slot, self.now_ns) {
+            let holds = self.nodes[slot].holds(handoff);
+            if holds {
+                let generation = self.nodes[slot].generation();
+                self.push(until, Event::PeerLost { slot, handoff, generation });
+            }
+            return Ok(holds);
+        }
+        self.on_node(slot, |n, now, r| n.on_peer_lost(now, handoff, r))
+    }
+
+    fn on_pause(&mut self, i: usize) -> Result<(), ReplayError> {
+        let p = self.cfg.network.pauses[i].clone();
+        let s = self.slot_named(&p.worker)?;
+        let until = self.now_ns.saturating_add(p.for_ms.saturating_mul(crate::units::NS_PER_MS));
+        let paused = &mut self.nemesis.paused_until_ns[s];
+        *paused = (*paused).max(until);
+        self.nemesis.report.paused += 1;
+        tracing::info!(worker = %p.worker, for_ms = p.for_ms, "paused");
+        Ok(())
+    }
+
+    fn on_crash(&mut self, i: usize) -> Result<(), ReplayError> {
+        let c = self.cfg.network.crashes[i].clone();
+        let s = self.slot_named(&c.worker)?;
+        if matches!(self.members[s].membership, super::Membership::Left { .. }) {
+            return Ok(()); // it left before its crash was due
+        }
+        // A crashed process is running again from here, paused or not before.
+        self.nemesis.paused_until_ns[s] = 0;
+        let text = self.restart_worker(s)?;
+        self.nemesis.report.crashed += 1;
+        tracing::info!("{text}");
+        Ok(())
+    }
+
+    /// The slot of a worker the configuration names (validated: it exists or may join).
+    fn slot_named(&self, name: &str) -> Result<usize, ReplayError> {
+        let w: WorkerId = name.parse().map_err(|e| ReplayError::Engine(format!("network: {name}: {e}")))?;
+        let s = self.slot_of(w);
+        if s >= self.nodes.len() {
+            return Err(ReplayError::Engine(format!("network: {name} has not joined the run")));
+        }
+        Ok(s)
     }
 
     pub(super) fn slot_of(&self, w: WorkerId) -> usize {
