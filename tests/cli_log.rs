@@ -603,4 +603,8 @@ fn a_run_without_its_end_markers_is_called_incomplete() {
     let o = cli().arg("compare").arg(&run).output().unwrap();
     assert!(o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("incomplete run: router"), "compare");
+    let svg = dir.path().join("t.svg");
+    let o = cli().arg("timeline").arg(&run).arg("--svg").arg(&svg).output().unwrap();
+    assert!(o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("warning: incomplete run: router"), "timeline");
 }

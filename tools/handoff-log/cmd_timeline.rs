@@ -93,6 +93,9 @@ pub fn run(args: &TimelineArgs) -> Result<u8, CliError> {
             ));
         }
     }
+    if !data.unended.is_empty() {
+        eprintln!("handoff-log: warning: {}", crate::cmd_verify::incomplete_text(&data.unended));
+    }
     let svg = render_svg(&data);
     std::fs::write(&args.svg, svg.as_bytes())
         .map_err(|e| CliError::new(2, format!("writing {}: {e}", args.svg.display())))?;

@@ -230,17 +230,27 @@ fn check_log(dir: &Path, failures: &mut Vec<String>) {
         Err(e) => return failures.push(format!("reading the run: {e}")),
     };
     let mut roles: BTreeMap<(WorkerId, HandoffId), RoleLife> = BTreeMap::new();
+    let mut bookings = crate::projections::bookings::BookingFold::new();
     loop {
         let (worker, rec) = match reader.next_record() {
             Ok(Some(r)) => r,
             Ok(None) => break,
             Err(e) => return failures.push(format!("reading the run: {e}")),
         };
+        if worker == WorkerId::ROUTER {
+            if let Err(v) = bookings.apply(&rec.fact) {
+                failures.push(format!("router at t={} ns: {v}", rec.at_ns));
+            }
+        }
         let Some(h) = rec.fact.handoff() else { continue };
         let life = roles.entry((worker, h)).or_default();
         if let Some(why) = life.apply(&rec.fact) {
             failures.push(format!("{worker} {h} at t={} ns: {why}", rec.at_ns));
         }
+    }
+    if !bookings.is_drained() {
+        let (prefill, decode) = bookings.in_flight();
+        failures.push(format!("bookings still open at the end: {prefill} prefill, {decode} decode"));
     }
     for ((w, h), life) in roles {
         if life.pins != life.pin_ends || life.reservations != life.reservation_ends {

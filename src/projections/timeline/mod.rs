@@ -86,6 +86,8 @@ pub struct WorkerSeries {
 #[derive(Clone, Debug)]
 pub struct TimelineData {
     pub headers: Vec<StreamHeader>,
+    /// Streams that lack their end marker: the run is incomplete.
+    pub unended: Vec<WorkerId>,
     pub from_ns: u64,
     pub to_ns: u64,
     pub records: u64,
@@ -264,7 +266,9 @@ pub fn collect_with_progress(
                 .collect()
         })
         .unwrap_or_default();
+    let unended = run.unended();
     Ok(TimelineData {
+        unended,
         headers,
         from_ns,
         to_ns,
