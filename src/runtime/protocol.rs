@@ -239,4 +239,42 @@ mod tests {
         good.push(0);
         assert!(matches!(Envelope::decode(&good), Err(ProtocolError::Malformed(_))));
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 2000, ..Default::default() })]
+
+        /// A hostile peer's bytes: every envelope with flips, insertions, deletions and a cut
+        /// decodes to some envelope or fails as malformed or another version, never panicking;
+        /// an envelope that decodes encodes back to bytes that decode to it again.
+        #[test]
+        fn mutated_envelopes_decode_or_fail_cleanly(
+            pick in 0usize..19,
+            edits in proptest::collection::vec((0usize..4, proptest::prelude::any::<usize>(), proptest::prelude::any::<u8>()), 1..8),
+        ) {
+            let bodies = every_body();
+            let e = Envelope::new(Endpoint::Worker(WorkerId::decode(3)), Generation(2), bodies[pick % bodies.len()].clone());
+            let mut bytes = Vec::new();
+            e.encode(&mut bytes).unwrap();
+            for (kind, at, b) in edits {
+                let n = bytes.len().max(1);
+                match kind {
+                    0 if !bytes.is_empty() => bytes[at % n] = b,
+                    1 => bytes.insert(at % (bytes.len() + 1), b),
+                    2 if !bytes.is_empty() => {
+                        bytes.remove(at % n);
+                    }
+                    _ => bytes.truncate(at % (bytes.len() + 1)),
+                }
+            }
+            match Envelope::decode(&bytes) {
+                Ok(d) => {
+                    let mut again = Vec::new();
+                    d.encode(&mut again).unwrap();
+                    proptest::prop_assert_eq!(Envelope::decode(&again).unwrap(), d);
+                }
+                Err(ProtocolError::Version { found }) => proptest::prop_assert_ne!(found, PROTOCOL_VERSION),
+                Err(ProtocolError::Malformed(_)) => {}
+            }
+        }
+    }
 }
