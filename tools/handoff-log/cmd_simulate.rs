@@ -2,7 +2,7 @@
 //! checked after every event and at its end (see `adapters::replay::swarm`).
 
 use crate::CliError;
-use handoff_ledger::adapters::replay::swarm::{run_seed, seed_dir, BackendChoice, SeedOutcome};
+use handoff_ledger::adapters::replay::swarm::{run_seed, seed_dir, shrink, BackendChoice, SeedOutcome};
 use handoff_ledger::ids::Backend;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -109,6 +109,17 @@ pub fn run(args: &SimulateArgs) -> Result<u8, CliError> {
             args.backend,
             seed_dir(&root, r.seed).display()
         );
+        let small = seed_dir(&root, r.seed).join("shortest");
+        match shrink(r.seed, backends, &small) {
+            Ok(Some((keep, s))) => println!(
+                "  still fails with the first {keep} of its {} requests: {} (log in {})",
+                r.requests,
+                s.failures.first().map(String::as_str).unwrap_or(""),
+                small.join("run").display()
+            ),
+            Ok(None) => println!("  no shorter trace fails"),
+            Err(e) => println!("  shrinking failed: {e}"),
+        }
     }
     let vllm = results.iter().filter(|r| r.backend == Backend::Vllm).count();
     let events: u64 = results.iter().map(|r| r.events).sum();

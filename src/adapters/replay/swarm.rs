@@ -170,7 +170,30 @@ fn draw_faults(rng: &mut ChaCha8Rng, config: &ReplayConfig, span_ms: u64) -> Net
 /// Runs one seed into `dir` (its trace is written there too, to reproduce by hand) and checks
 /// it. A run that stops with an error is a failure, not an error: it is what `simulate` is for.
 pub fn run_seed(seed: u64, backends: BackendChoice, dir: &Path) -> std::io::Result<SeedOutcome> {
-    let scenario = Scenario::draw(seed, backends);
+    run_scenario(seed, &Scenario::draw(seed, backends), dir)
+}
+
+/// The shortest prefix of a failing seed's trace that still fails (same configuration and
+/// faults), run into `dir`: the smallest log that shows the defect. `None` if even the whole
+/// trace runs clean there (the failure depended on something else).
+pub fn shrink(
+    seed: u64,
+    backends: BackendChoice,
+    dir: &Path,
+) -> std::io::Result<Option<(usize, SeedOutcome)>> {
+    let full = Scenario::draw(seed, backends);
+    for keep in 1..=full.trace.len() {
+        let scenario = Scenario { config: full.config.clone(), trace: full.trace[..keep].to_vec() };
+        let _ = std::fs::remove_dir_all(dir);
+        let outcome = run_scenario(seed, &scenario, dir)?;
+        if !outcome.clean() {
+            return Ok(Some((keep, outcome)));
+        }
+    }
+    Ok(None)
+}
+
+fn run_scenario(seed: u64, scenario: &Scenario, dir: &Path) -> std::io::Result<SeedOutcome> {
     std::fs::create_dir_all(dir)?;
     let trace_path = dir.join("trace.jsonl");
     std::fs::write(&trace_path, scenario.trace.join("\n") + "\n")?;
@@ -184,7 +207,7 @@ pub fn run_seed(seed: u64, backends: BackendChoice, dir: &Path) -> std::io::Resu
         network: Default::default(),
     };
     let log_dir = dir.join("run");
-    match replay(&scenario, &trace_path, &log_dir) {
+    match replay(scenario, &trace_path, &log_dir) {
         Ok(outcome) => {
             out.events = outcome.events;
             out.network = outcome.network;
