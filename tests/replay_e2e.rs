@@ -1415,9 +1415,10 @@ fn a_scaled_run_is_deterministic_and_the_same_with_quiet_steps_applied_one_by_on
 
 #[test]
 fn a_replay_killed_at_any_instant_leaves_streams_that_recover_and_verify() {
-    // kill -9 at 12 instants drawn from a fixed seed: every stream's header is on disk from the
+    // kill -9 at 20 instants drawn from a fixed seed: every stream's header is on disk from the
     // start and records reach the disk on a time bound, so each run directory passes `recover`
-    // (cutting at most a torn tail) and then `verify`, and later kills keep more records.
+    // (cutting at most a torn tail) and then `verify`, and every record that was on the disk
+    // just before the kill is still there, unchanged.
     use std::io::Write;
     let t = tempfile::tempdir().unwrap();
     let trace = t.path().join("long.jsonl");
@@ -1439,7 +1440,7 @@ fn a_replay_killed_at_any_instant_leaves_streams_that_recover_and_verify() {
     let bin = assert_cmd::cargo::cargo_bin("handoff-log");
     let mut state = 0x5eed_u64;
     let mut kept = Vec::new();
-    for k in 0..12 {
+    for k in 0..20 {
         state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         let delay_ms = 20 + (state >> 33) % 300;
         let out = t.path().join(format!("run{k}"));
@@ -1458,6 +1459,16 @@ fn a_replay_killed_at_any_instant_leaves_streams_that_recover_and_verify() {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
         std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        // What is on the disk now: the run only appends, so all of it must survive the kill.
+        let before: Vec<(std::path::PathBuf, Vec<u8>)> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "hlog"))
+            .map(|p| {
+                let bytes = std::fs::read(&p).unwrap();
+                (p, bytes)
+            })
+            .collect();
         let _ = child.kill(); // SIGKILL; the run may have finished already, which is fine
         let _ = child.wait();
         let o = cli().arg("recover").arg(&out).output().unwrap();
@@ -1474,10 +1485,34 @@ fn a_replay_killed_at_any_instant_leaves_streams_that_recover_and_verify() {
         );
         let v: Value = serde_json::from_slice(&o.stdout).unwrap();
         kept.push((delay_ms, v["records"].as_u64().unwrap()));
+        for (path, bytes) in &before {
+            let seen = complete_records(std::io::Cursor::new(bytes.clone()), path);
+            let after = complete_records(std::fs::File::open(path).unwrap(), path);
+            assert!(
+                after.len() >= seen.len() && after[..seen.len()] == seen[..],
+                "kill after {delay_ms} ms: {} lost records that were on disk ({} before, {} after)",
+                path.display(),
+                seen.len(),
+                after.len()
+            );
+        }
     }
     // Records that reached the disk before the kill are kept: the runs killed latest kept some.
     let latest = kept.iter().max_by_key(|(d, _)| *d).unwrap();
     assert!(latest.1 > 0, "{kept:?}");
+}
+
+/// The records of a stream up to its first incomplete or damaged one.
+fn complete_records(
+    input: impl std::io::Read,
+    path: &std::path::Path,
+) -> Vec<handoff_ledger::events::Record> {
+    let Ok(mut r) = handoff_ledger::events::StreamReader::new(input, path) else { return Vec::new() };
+    let mut out = Vec::new();
+    while let Ok(Some(rec)) = r.next_record() {
+        out.push(rec);
+    }
+    out
 }
 
 #[test]

@@ -743,11 +743,8 @@ impl WorkerNode {
         let t = match role.machine.handle(ev, at_ns) {
             Ok(t) => t,
             Err(e) => {
-                if let SourceEvent::Message(msg) = ev {
-                    ready.facts.push(msg.rejected_fact(MessageRejection::InvalidTransition));
-                }
-                tracing::debug!(error = %e, "source event refused");
-                return;
+                let message = if let SourceEvent::Message(m) = ev { Some(m) } else { None };
+                return refused_event(message, &e, ready);
             }
         };
         let released = role.machine.is_released();
@@ -799,11 +796,8 @@ impl WorkerNode {
         let t = match role.machine.handle(ev, at_ns) {
             Ok(t) => t,
             Err(e) => {
-                if let DestinationEvent::Message(msg) = ev {
-                    ready.facts.push(msg.rejected_fact(MessageRejection::InvalidTransition));
-                }
-                tracing::debug!(error = %e, "destination event refused");
-                return;
+                let message = if let DestinationEvent::Message(m) = ev { Some(m) } else { None };
+                return refused_event(message, &e, ready);
             }
         };
         let released = role.machine.is_released();
@@ -1072,6 +1066,15 @@ impl WorkerNode {
     fn disabled_prefill(&self) -> bool {
         self.config.policy == HandoffPolicy::Disabled && self.id.role == Role::Prefill
     }
+}
+
+/// A role machine refused an event: a message it refused is logged as refused (the sender
+/// acted on a state this role has left); anything else was a late local event.
+fn refused_event(message: Option<HandoffMessage>, e: &crate::lifecycle::TransitionError, ready: &mut Ready) {
+    if let Some(m) = message {
+        ready.facts.push(m.rejected_fact(MessageRejection::InvalidTransition));
+    }
+    tracing::debug!(error = %e, "role event refused");
 }
 
 fn demand_of(request: &Request) -> KvHandoffDemand {
