@@ -104,6 +104,13 @@ enum Command {
 pub struct DeferredCommand {
     command: Command,
     then: Vec<(WorkerId, HandoffMessage)>,
+    /// The session of the role machine that issued it. A restart ends every role of the old
+    /// session (their own cancels clean up); a command of theirs that would take something
+    /// (dispatch, reserve) and comes back after it is dropped, or it would reach the
+    /// core after the cleanup and hold what nobody releases. A release or cancel is applied
+    /// whatever its session: it finishes an end (a no-op if the cleanup did it already).
+    /// `None`: a frontend request, which the core keeps across a restart.
+    session: Option<Generation>,
 }
 
 /// A node's timer.
@@ -750,7 +757,7 @@ impl WorkerNode {
         let released = role.machine.is_released();
         let success = matches!(role.machine.state(), SourceState::Released { how: EndReason::Success });
         ready.facts.extend(t.facts);
-        let mut batch = Batch::new(at_ns);
+        let mut batch = Batch::new(at_ns, self.generation);
         for action in t.actions {
             match action {
                 SourceAction::DispatchPrefill { lease_ns } => {
@@ -803,7 +810,7 @@ impl WorkerNode {
         let released = role.machine.is_released();
         let success = matches!(role.machine.state(), DestinationState::Released { how: EndReason::Success });
         ready.facts.extend(t.facts);
-        let mut batch = Batch::new(at_ns);
+        let mut batch = Batch::new(at_ns, self.generation);
         for action in t.actions {
             match action {
                 DestinationAction::ReserveDestination { deadline_ns } => {
@@ -849,6 +856,14 @@ impl WorkerNode {
     // ---- the core ----
 
     fn execute_deferred(&mut self, at_ns: u64, deferred: DeferredCommand, ready: &mut Ready) {
+        // (Activation is not among them: the frontend counts a decode as running from the
+        // moment it is asked for, and a restart's cancel of an active destination aborts the
+        // decode request, which needs the activation applied first.)
+        let acquires = matches!(deferred.command, Command::DispatchPrefill { .. } | Command::Reserve { .. });
+        if acquires && deferred.session.is_some_and(|g| g != self.generation) {
+            tracing::debug!(worker = %self.id, command = ?deferred.command, "command of an ended session dropped");
+            return;
+        }
         self.execute(at_ns, deferred.command, ready);
         for (to, message) in deferred.then {
             ready.outputs.push(Output::ToWorker { to, message });
@@ -1082,23 +1097,25 @@ fn demand_of(request: &Request) -> KvHandoffDemand {
 }
 
 fn deferred(at_ns: u64, command: Command) -> Output {
-    Output::Command { at_ns, command: DeferredCommand { command, then: Vec::new() } }
+    Output::Command { at_ns, command: DeferredCommand { command, then: Vec::new(), session: None } }
 }
 
 /// One transition's commands and messages, in order; a message that follows a command waits
 /// with it (see the module docs).
 struct Batch {
     at_ns: u64,
+    session: Generation,
     outputs: Vec<Output>,
 }
 
 impl Batch {
-    fn new(at_ns: u64) -> Self {
-        Batch { at_ns, outputs: Vec::new() }
+    fn new(at_ns: u64, session: Generation) -> Self {
+        Batch { at_ns, session, outputs: Vec::new() }
     }
 
     fn command(&mut self, command: Command) {
-        self.outputs.push(deferred(self.at_ns, command));
+        let command = DeferredCommand { command, then: Vec::new(), session: Some(self.session) };
+        self.outputs.push(Output::Command { at_ns: self.at_ns, command });
     }
 
     fn message(&mut self, to: WorkerId, message: HandoffMessage) {

@@ -1,6 +1,7 @@
 //! `simulate`: randomized whole runs under network and nemesis faults, one per seed, each
 //! checked after every event and at its end (see `adapters::replay::swarm`).
 
+use crate::out::Out;
 use crate::CliError;
 use handoff_ledger::adapters::replay::swarm::{run_seed, seed_dir, shrink, BackendChoice, SeedOutcome};
 use handoff_ledger::ids::Backend;
@@ -98,28 +99,35 @@ pub fn run(args: &SimulateArgs) -> Result<u8, CliError> {
     let mut results = results.into_inner().unwrap_or_else(|p| p.into_inner());
     results.sort_by_key(|r| r.seed);
     let failed: Vec<&SeedOutcome> = results.iter().filter(|r| !r.clean()).collect();
+    let mut out = Out::new();
     for r in &failed {
-        println!("seed {} ({}): {} broken expectation(s)", r.seed, r.backend.as_str(), r.failures.len());
+        out.line(&format!(
+            "seed {} ({}): {} broken expectation(s)",
+            r.seed,
+            r.backend.as_str(),
+            r.failures.len()
+        ))?;
         for f in r.failures.iter().take(5) {
-            println!("  {f}");
+            out.line(&format!("  {f}"))?;
         }
-        println!(
+        out.line(&format!(
             "  reproduce with: handoff-log simulate --seed {} --backend {}  (run kept in {})",
             r.seed,
             args.backend,
             seed_dir(&root, r.seed).display()
-        );
+        ))?;
         let small = seed_dir(&root, r.seed).join("shortest");
-        match shrink(r.seed, backends, &small) {
-            Ok(Some((keep, s))) => println!(
+        let line = match shrink(r.seed, backends, &small) {
+            Ok(Some((keep, s))) => format!(
                 "  still fails with the first {keep} of its {} requests: {} (log in {})",
                 r.requests,
                 s.failures.first().map(String::as_str).unwrap_or(""),
                 small.join("run").display()
             ),
-            Ok(None) => println!("  no shorter trace fails"),
-            Err(e) => println!("  shrinking failed: {e}"),
-        }
+            Ok(None) => "  no shorter trace fails".to_string(),
+            Err(e) => format!("  shrinking failed: {e}"),
+        };
+        out.line(&line)?;
     }
     let vllm = results.iter().filter(|r| r.backend == Backend::Vllm).count();
     let events: u64 = results.iter().map(|r| r.events).sum();
@@ -134,14 +142,15 @@ pub fn run(args: &SimulateArgs) -> Result<u8, CliError> {
         sum(|r| r.network.paused),
         sum(|r| r.network.crashed)
     );
-    println!(
+    out.line(&format!(
         "simulate: {} seeds ({vllm} vLLM, {} SGLang; {requests} requests, {events} events), {} in {:.1} s",
         results.len(),
         results.len() - vllm,
         if failed.is_empty() { "all clean".to_string() } else { format!("{} failed", failed.len()) },
         started.elapsed().as_secs_f64()
-    );
-    println!("  faults: {faults}");
+    ))?;
+    out.line(&format!("  faults: {faults}"))?;
+    out.flush()?;
     if failed.is_empty() {
         let _ = std::fs::remove_dir(&root); // empty unless the user's own
         Ok(0)

@@ -121,6 +121,7 @@ impl Replay<'_> {
         self.nodes.push(WorkerNode::new(w, core, node_config(&self.cfg, self.policy)));
         self.members.push(Member::default());
         self.nemesis.paused_until_ns.push(0);
+        self.paused_inputs.push(std::collections::VecDeque::new());
         if let Some(f) = self.folded.as_mut() {
             f.push(self.nodes[s].core().snapshot());
         }

@@ -185,6 +185,8 @@ pub struct Replay<'a> {
     faults: FaultState,
     /// The network's and the nemesis' faults (inert unless configured).
     nemesis: Nemesis,
+    /// Per slot, the inputs that reached a paused worker, in order (see `simulator::hold_input`).
+    paused_inputs: Vec<VecDeque<Event>>,
     /// Per slot, the capacity folded from the facts written (only with `check_every_event`).
     folded: Option<Vec<crate::model::KvCapacitySnapshot>>,
     /// A broken invariant found while writing a fact, reported after the event.
@@ -303,6 +305,7 @@ impl<'a> Replay<'a> {
             next_progress: 4096,
             faults: FaultState::new(&cfg.faults),
             nemesis: Nemesis::new(cfg.network.clone(), cfg.seed, workers.len()),
+            paused_inputs: vec![VecDeque::new(); workers.len()],
             // Fault phases are checked at every event boundary, and a paused worker's steps
             // wait: keep every boundary.
             quiet: QuietRuns::new(

@@ -136,9 +136,9 @@ impl Replay<'_> {
             }
             Local::ToWorker { to, message } => {
                 let slot = self.slot_of(to);
-                if let Some(until) = self.nemesis.paused(slot, now) {
+                if !self.nemesis.is_off() && self.stopped(slot) {
                     let generation = self.nodes[slot].generation();
-                    self.push(until, Event::FromFrontend { slot, message, generation });
+                    self.hold_input(slot, Event::FromFrontend { slot, message, generation });
                     return Ok(());
                 }
                 let mut ready = self.take_ready();

@@ -64,6 +64,8 @@ pub(super) enum Event {
     Pause(usize),
     /// `network.crashes[i]` is due.
     Crash(usize),
+    /// A paused worker's pause may have ended: what waited for it is handed over.
+    Resume(usize),
 }
 
 impl Event {
@@ -145,10 +147,10 @@ impl Replay<'_> {
     }
 
     fn handle(&mut self, ev: Event) -> Result<(), ReplayError> {
-        // A paused worker gets nothing until it resumes; its events wait, in order.
+        // A paused worker gets nothing until it resumes; its inputs wait, in order.
         if !self.nemesis.is_off() {
-            if let Some(until) = ev.slot().and_then(|s| self.nemesis.paused(s, self.now_ns)) {
-                self.defer_for_pause(ev, until);
+            if let Some(slot) = ev.slot().filter(|s| self.stopped(*s)) {
+                self.hold_input(slot, ev);
                 return Ok(());
             }
         }
@@ -187,6 +189,7 @@ impl Replay<'_> {
             }
             Event::Pause(i) => self.on_pause(i)?,
             Event::Crash(i) => self.on_crash(i)?,
+            Event::Resume(s) => self.on_resume(s)?,
         }
         if self.faults.active() {
             self.fault_boundary()?;
@@ -194,24 +197,41 @@ impl Replay<'_> {
         Ok(())
     }
 
-    fn defer_for_pause(&mut self, ev: Event, until_ns: u64) {
-        match ev {
-            Event::StepStart(s) => {
-                self.queue.push_start(s, until_ns);
-            }
-            Event::StepDone(s) => self.queue.push_lane(s, until_ns, Event::StepDone(s)),
-            other => self.push(until_ns, other),
+    /// Whether slot `s` takes no input now: paused, or still to be handed what waited while it
+    /// was (so nothing overtakes those).
+    pub(super) fn stopped(&self, s: usize) -> bool {
+        self.nemesis.paused(s, self.now_ns).is_some() || !self.paused_inputs[s].is_empty()
+    }
+
+    /// Keeps an input of a stopped worker for when it resumes, in arrival order.
+    pub(super) fn hold_input(&mut self, s: usize, ev: Event) {
+        if self.paused_inputs[s].is_empty() {
+            let at = self.nemesis.paused(s, self.now_ns).unwrap_or(self.now_ns);
+            self.push(at, Event::Resume(s));
         }
+        self.paused_inputs[s].push_back(ev);
+    }
+
+    /// The pause ended (unless it was extended): the inputs that waited are handled, in order.
+    fn on_resume(&mut self, s: usize) -> Result<(), ReplayError> {
+        if let Some(until) = self.nemesis.paused(s, self.now_ns) {
+            self.push(until, Event::Resume(s));
+            return Ok(());
+        }
+        for ev in std::mem::take(&mut self.paused_inputs[s]) {
+            self.handle(ev)?;
+        }
+        Ok(())
     }
 
     /// A worker's transport tells it the peer of `handoff` is gone; a paused worker hears of it
     /// when it resumes. True when a role of the handoff is (or, paused, was) on it.
     pub(super) fn peer_lost(&mut self, slot: usize, handoff: HandoffId) -> Result<bool, ReplayError> {
-        if let Some(until) = self.nemesis.paused(slot, self.now_ns) {
+        if !self.nemesis.is_off() && self.stopped(slot) {
             let holds = self.nodes[slot].holds(handoff);
             if holds {
                 let generation = self.nodes[slot].generation();
-                self.push(until, Event::PeerLost { slot, handoff, generation });
+                self.hold_input(slot, Event::PeerLost { slot, handoff, generation });
             }
             return Ok(holds);
         }
@@ -235,9 +255,13 @@ impl Replay<'_> {
         if matches!(self.members[s].membership, super::Membership::Left { .. }) {
             return Ok(()); // it left before its crash was due
         }
-        // A crashed process is running again from here, paused or not before.
+        // A crashed process is running again from here, paused or not before; what waited for
+        // it is handed to the new session now (what belonged to the old one it drops).
         self.nemesis.paused_until_ns[s] = 0;
         let text = self.restart_worker(s)?;
+        if !self.paused_inputs[s].is_empty() {
+            self.push(self.now_ns, Event::Resume(s));
+        }
         self.nemesis.report.crashed += 1;
         tracing::info!("{text}");
         Ok(())
