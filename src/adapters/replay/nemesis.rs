@@ -156,6 +156,8 @@ pub struct NetworkReport {
 /// The nemesis during a run.
 pub(crate) struct Nemesis {
     pub config: NetworkFaults,
+    /// `config.is_off()`, kept: it is asked on every event.
+    off: bool,
     rng: ChaCha8Rng,
     pub report: NetworkReport,
     /// Per slot: paused until this instant (0: running).
@@ -171,11 +173,12 @@ impl Nemesis {
     pub fn new(config: NetworkFaults, seed: u64, slots: usize) -> Self {
         // A stream of its own: the run's other draws do not move when faults are turned on.
         let rng = ChaCha8Rng::seed_from_u64(seed ^ 0x6e65_6d65_7369_7321);
-        Nemesis { config, rng, report: NetworkReport::default(), paused_until_ns: vec![0; slots] }
+        let off = config.is_off();
+        Nemesis { config, off, rng, report: NetworkReport::default(), paused_until_ns: vec![0; slots] }
     }
 
     pub fn is_off(&self) -> bool {
-        self.config.is_off()
+        self.off
     }
 
     /// Whether handoff messages between `a` and `b` are cut by a partition at `at_ns`.

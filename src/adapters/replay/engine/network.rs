@@ -62,7 +62,9 @@ impl Replay<'_> {
         match output {
             Output::ToFrontend(message) => self.send_local(Local::ToFrontend { from: worker, message })?,
             Output::ToWorker { to, message } => self.send_handoff(worker, to, message),
-            Output::Command { at_ns, command } => self.push(at_ns, Event::Command { slot, command }),
+            Output::Command { at_ns, command } => {
+                self.push(at_ns, Event::Command { slot, command: Box::new(command) })
+            }
             Output::Timer { at_ns, timer } => {
                 let at_ns =
                     if self.nemesis.is_off() { at_ns } else { self.nemesis.timer_at(worker, now, at_ns) };
@@ -138,7 +140,10 @@ impl Replay<'_> {
                 let slot = self.slot_of(to);
                 if !self.nemesis.is_off() && self.stopped(slot) {
                     let generation = self.nodes[slot].generation();
-                    self.hold_input(slot, Event::FromFrontend { slot, message, generation });
+                    self.hold_input(
+                        slot,
+                        Event::FromFrontend { slot, message: Box::new(message), generation },
+                    );
                     return Ok(());
                 }
                 let mut ready = self.take_ready();

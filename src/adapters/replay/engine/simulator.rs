@@ -16,9 +16,10 @@ pub(super) enum Event {
     /// at its instant (see `queue`), so that requests arriving together share a step.
     StepStart(usize),
     /// A node's core command, handed back at its turn (the inbox rule is the node's).
+    /// (Boxed: the queue moves every event several times, and this one is the largest.)
     Command {
         slot: usize,
-        command: DeferredCommand,
+        command: Box<DeferredCommand>,
     },
     /// A handoff message from the other role's worker.
     Deliver {
@@ -51,7 +52,7 @@ pub(super) enum Event {
     /// resets the connection and what waited in it is lost).
     FromFrontend {
         slot: usize,
-        message: crate::runtime::ToWorker,
+        message: Box<crate::runtime::ToWorker>,
         generation: crate::ids::Generation,
     },
     /// The transport of a worker that was paused when its peer was lost tells it now.
@@ -162,7 +163,7 @@ impl Replay<'_> {
             Event::Arrival => self.on_arrival()?,
             Event::StepDone(s) => self.on_step_done(s)?,
             Event::StepStart(s) => self.kick(s)?,
-            Event::Command { slot, command } => self.on_command(slot, command)?,
+            Event::Command { slot, command } => self.on_command(slot, *command)?,
             Event::Deliver { slot, msg } => self.on_deliver(slot, msg)?,
             Event::TransferDone { slot, handoff } => {
                 self.on_node(slot, |n, now, r| n.on_transfer_done(now, handoff, None, r))?;
@@ -179,7 +180,7 @@ impl Replay<'_> {
             Event::PlannerTick => self.on_planner_tick()?,
             Event::FromFrontend { slot, message, generation } => {
                 if self.nodes[slot].generation() == generation {
-                    self.on_node(slot, |n, now, r| n.on_frontend(now, message, r))??;
+                    self.on_node(slot, |n, now, r| n.on_frontend(now, *message, r))??;
                 }
             }
             Event::PeerLost { slot, handoff, generation } => {
