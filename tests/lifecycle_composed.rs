@@ -489,6 +489,22 @@ fn happy(backend: Backend, seed: Option<u64>) -> Net {
     assert_eq!(net.ended[0].status, TerminalStatus::Completed, "{label}");
     let order = observed_order(net.node_facts());
     assert_eq!(order, expected_order(policy_of(backend)), "{label}");
+    // The frontend heard of every step it books on, from the worker it happened on.
+    let said =
+        |i: usize, pred: &dyn Fn(&ToFrontend) -> bool| net.reports.iter().any(|(j, m)| *j == i && pred(m));
+    assert!(said(0, &|m| matches!(m, ToFrontend::PrefillDispatched { .. })), "{label}");
+    assert!(said(0, &|m| matches!(m, ToFrontend::PrefillPinned { .. })), "{label}");
+    assert!(said(0, &|m| matches!(m, ToFrontend::SourceReleased { .. })), "{label}");
+    assert!(said(1, &|m| matches!(m, ToFrontend::DecodeActivated { .. })), "{label}");
+    for (i, role) in [(0, HandoffRole::Source), (1, HandoffRole::Destination)] {
+        let well =
+            |m: &ToFrontend| matches!(m, ToFrontend::RoleEnded { role: r, success: true, .. } if *r == role);
+        assert!(said(i, &well), "{label}: {role:?} did not end well");
+    }
+    assert!(
+        said(1, &|m| matches!(m, ToFrontend::Finished { status: TerminalStatus::Completed, .. })),
+        "{label}"
+    );
     net
 }
 
@@ -566,6 +582,28 @@ fn source_first_lease_expiry_while_decode_waits_fails_the_request_and_frees_both
     net.run();
     net.assert_settled("lease expired");
     assert_eq!(net.ended[0].status, TerminalStatus::Failed);
+}
+
+#[test]
+fn a_restart_cancels_every_role_and_names_the_handoffs_for_their_peers() {
+    // The source is pinned and decode stalled: the restart must end the pin on its own.
+    let mut net = Net::new(Backend::Vllm, None);
+    net.stalled = Some(1);
+    net.arrive(request());
+    let h = net.handoff();
+    while !matches!(net.nodes[0].source_state(h), Some(SourceState::Pinned { .. })) {
+        assert!(net.advance(), "the source never pinned");
+    }
+    let mut r = Ready::default();
+    let held = net.nodes[0].restart(net.now_ns, &mut r);
+    assert_eq!(held, vec![h]);
+    assert_eq!(net.nodes[0].generation(), handoff_ledger::ids::Generation(2));
+    assert!(matches!(r.facts.first(), Some(Fact::SessionStarted { .. })));
+    net.carry(0, r);
+    net.stalled = None;
+    net.run();
+    net.assert_settled("restart");
+    assert_ne!(net.ended[0].status, TerminalStatus::Completed);
 }
 
 /// One randomized composed run: channels served in a random order, duplicates, and optionally
@@ -669,244 +707,28 @@ fn machine_throughput() {
     );
 }
 
-// ---- The same composition through the real runtime ----
-//
-// Two `WorkerNode`s with real engine cores, driven without the simulator: a scripted loop
-// carries their outputs by hand (peer messages to the other node, commands back to their node,
-// transfers finished at once, frontend messages recorded and answered as the frontend would).
+// ---- One node alone ----
 
-mod runtime_nodes {
-    use handoff_ledger::events::{Fact, TerminalStatus};
-    use handoff_ledger::ids::{
-        Backend, CancelReason, Generation, HandoffId, HandoffPolicy, RequestId, WorkerId,
-    };
-    use handoff_ledger::runtime::{
-        HandoffRole, NodeConfig, Output, Peer, Ready, StepPlan, ToFrontend, ToWorker, WorkerNode,
-    };
-    use handoff_ledger::schedulers::sglang::{SglangConfig, SglangCore};
-    use handoff_ledger::schedulers::vllm::{VllmConfig, VllmCore};
-    use handoff_ledger::schedulers::{EngineCore, Request};
-    use std::collections::VecDeque;
-
-    const LEASE_NS: u64 = 30_000_000_000;
+mod one_node {
+    use handoff_ledger::events::Fact;
+    use handoff_ledger::ids::{Backend, CancelReason, Generation, HandoffPolicy, WorkerId};
+    use handoff_ledger::runtime::{HandoffRole, NodeConfig, Output, Ready, ToFrontend, ToWorker, WorkerNode};
 
     fn config(policy: HandoffPolicy) -> NodeConfig {
         NodeConfig {
             policy,
-            lease_ns: LEASE_NS,
-            reservation_ns: LEASE_NS,
+            lease_ns: super::LEASE_NS,
+            reservation_ns: super::RESERVATION_NS,
             renew_ns: None,
             kv_bytes_per_token: 1024,
             publish_kv_events: true,
         }
     }
 
-    fn core(worker: WorkerId, backend: Backend) -> Box<dyn EngineCore> {
-        match backend {
-            Backend::Sglang => Box::new(SglangCore::new(worker, SglangConfig::default()).unwrap()),
-            _ => Box::new(VllmCore::new(worker, backend, VllmConfig::default()).unwrap()),
-        }
-    }
+    use super::{core, request};
 
-    fn handoff() -> HandoffId {
+    fn handoff() -> handoff_ledger::ids::HandoffId {
         super::support::lifecycle::handoff_id(42)
-    }
-
-    /// Two nodes and what went between them.
-    struct Pair {
-        nodes: [WorkerNode; 2],
-        now_ns: u64,
-        /// (node index, instant, input): commands handed back, peer messages, transfer ends.
-        queue: VecDeque<(usize, Input)>,
-        /// Every fact, with its node.
-        facts: Vec<(usize, Fact)>,
-        /// Every message to the frontend, with its sender.
-        to_frontend: Vec<(usize, ToFrontend)>,
-        /// A node wants to step.
-        wants_step: [bool; 2],
-        /// When each node's step in flight ends.
-        stepping_until: [Option<u64>; 2],
-    }
-
-    enum Input {
-        Command(handoff_ledger::runtime::DeferredCommand),
-        Peer(handoff_ledger::lifecycle::HandoffMessage),
-        TransferDone(HandoffId),
-    }
-
-    impl Pair {
-        fn new(backend: Backend, policy: HandoffPolicy) -> Self {
-            let (p, d) = (WorkerId::prefill(0), WorkerId::decode(0));
-            let mut pair = Pair {
-                nodes: [
-                    WorkerNode::new(p, core(p, backend), config(policy)),
-                    WorkerNode::new(d, core(d, backend), config(policy)),
-                ],
-                now_ns: 0,
-                queue: VecDeque::new(),
-                facts: Vec::new(),
-                to_frontend: Vec::new(),
-                wants_step: [false; 2],
-                stepping_until: [None; 2],
-            };
-            for i in 0..2 {
-                let mut r = Ready::default();
-                pair.nodes[i].start(&mut r);
-                pair.carry(i, r);
-            }
-            pair
-        }
-
-        fn index(&self, w: WorkerId) -> usize {
-            usize::from(self.nodes[1].id() == w)
-        }
-
-        fn carry(&mut self, i: usize, ready: Ready) {
-            self.facts.extend(ready.facts.into_iter().map(|f| (i, f)));
-            for o in ready.outputs {
-                match o {
-                    Output::ToFrontend(m) => self.to_frontend.push((i, m)),
-                    Output::ToWorker { to, message } => {
-                        let j = self.index(to);
-                        self.queue.push_back((j, Input::Peer(message)));
-                    }
-                    Output::Command { command, .. } => self.queue.push_back((i, Input::Command(command))),
-                    // Lease and reservation timers never fire in these scripts: everything
-                    // finishes well inside them.
-                    Output::Timer { .. } => {}
-                    Output::StartTransfer { handoff, .. } => {
-                        self.queue.push_back((i, Input::TransferDone(handoff)))
-                    }
-                    Output::CancelTransfer { .. } => {}
-                    Output::StepSoon => self.wants_step[i] = true,
-                }
-            }
-        }
-
-        fn frontend(&mut self, i: usize, m: ToWorker) {
-            let mut r = Ready::default();
-            self.nodes[i].on_frontend(self.now_ns, m, &mut r).unwrap();
-            self.carry(i, r);
-        }
-
-        /// Runs inputs, steps and step ends until nothing is left.
-        fn run(&mut self) {
-            for _ in 0..100_000 {
-                if let Some((i, input)) = self.queue.pop_front() {
-                    let mut r = Ready::default();
-                    match input {
-                        Input::Command(c) => self.nodes[i].apply_command(self.now_ns, c, &mut r).unwrap(),
-                        Input::Peer(m) => self.nodes[i].on_peer(self.now_ns, m, &mut r),
-                        Input::TransferDone(h) => {
-                            self.nodes[i].on_transfer_done(self.now_ns, h, None, &mut r)
-                        }
-                    }
-                    self.carry(i, r);
-                    continue;
-                }
-                if let Some(i) = (0..2).find(|i| self.wants_step[*i]) {
-                    self.wants_step[i] = false;
-                    self.step(i);
-                    continue;
-                }
-                // Nothing at this instant: the earliest step in flight ends.
-                let Some((i, at)) =
-                    (0..2).filter_map(|i| self.stepping_until[i].map(|t| (i, t))).min_by_key(|x| x.1)
-                else {
-                    return;
-                };
-                self.now_ns = at;
-                self.stepping_until[i] = None;
-                let mut r = Ready::default();
-                self.nodes[i].finish_step(at, &mut r);
-                while self.nodes[i].apply_next_waiting(at, &mut r) {}
-                self.carry(i, r);
-                self.wants_step[i] = true;
-            }
-            panic!("the script did not settle");
-        }
-
-        fn step(&mut self, i: usize) {
-            loop {
-                let mut r = Ready::default();
-                let plan = self.nodes[i].start_step(self.now_ns, false, &mut r).unwrap();
-                self.carry(i, r);
-                match plan {
-                    StepPlan::Again => continue,
-                    StepPlan::Until { until_ns } => self.stepping_until[i] = Some(until_ns),
-                    StepPlan::Idle | StepPlan::Quiet { .. } => {}
-                }
-                return;
-            }
-        }
-
-        fn said(&self, i: usize, pred: impl Fn(&ToFrontend) -> bool) -> bool {
-            self.to_frontend.iter().any(|(j, m)| *j == i && pred(m))
-        }
-    }
-
-    fn request() -> Request {
-        Request::unique(RequestId(0), 700, 4, 0)
-    }
-
-    /// One handoff across a prefill and a decode node: both roles end well, each says so to
-    /// the frontend, the request finishes on decode and neither node holds anything after.
-    fn compose(backend: Backend, policy: HandoffPolicy) -> Pair {
-        let mut pair = Pair::new(backend, policy);
-        let (p, d) = (pair.nodes[0].id(), pair.nodes[1].id());
-        let source = Peer { worker: p, generation: Generation(1) };
-        let destination = Peer { worker: d, generation: Generation(1) };
-        let h = handoff();
-        if policy == HandoffPolicy::DestinationFirst {
-            pair.frontend(1, ToWorker::StartDestination { handoff: h, request: request(), source });
-            let start =
-                ToWorker::StartSource { handoff: h, request: request(), destination: Some(destination) };
-            pair.frontend(0, start);
-        } else {
-            pair.frontend(0, ToWorker::StartSource { handoff: h, request: request(), destination: None });
-        }
-        pair.run();
-        // Source-first: the frontend routes the decode once the prefill is pinned.
-        if policy == HandoffPolicy::SourceFirst {
-            assert!(pair.said(0, |m| matches!(m, ToFrontend::PrefillPinned { handoff, .. } if *handoff == h)));
-            pair.frontend(1, ToWorker::StartDestination { handoff: h, request: request(), source });
-            pair.run();
-        }
-        assert!(pair.said(0, |m| matches!(m, ToFrontend::PrefillDispatched { .. })));
-        assert!(pair.said(0, |m| matches!(m, ToFrontend::SourceReleased { .. })));
-        assert!(pair.said(1, |m| matches!(m, ToFrontend::DecodeActivated { .. })));
-        let ended_well = |role| move |m: &ToFrontend| matches!(m, ToFrontend::RoleEnded { role: r, success: true, .. } if *r == role);
-        assert!(pair.said(0, ended_well(HandoffRole::Source)), "{:?}", pair.to_frontend);
-        assert!(pair.said(1, ended_well(HandoffRole::Destination)), "{:?}", pair.to_frontend);
-        assert!(pair.said(1, |m| matches!(
-            m,
-            ToFrontend::Finished { status: TerminalStatus::Completed, output_tokens: 4, .. }
-        )));
-        for n in &pair.nodes {
-            assert!(n.holds_nothing(), "{} still holds something", n.id());
-        }
-        pair
-    }
-
-    #[test]
-    fn a_vllm_prefill_node_and_decode_node_complete_a_source_first_handoff_by_messages_alone() {
-        let pair = compose(Backend::Vllm, HandoffPolicy::SourceFirst);
-        // The source pinned before the destination reserved (nothing else could have told it).
-        let at = |pred: &dyn Fn(&Fact) -> bool| pair.facts.iter().position(|(_, f)| pred(f)).unwrap();
-        assert!(
-            at(&|f| matches!(f, Fact::SourcePinned { .. }))
-                < at(&|f| matches!(f, Fact::DestinationReserved { .. }))
-        );
-    }
-
-    #[test]
-    fn an_sglang_pair_completes_a_destination_first_handoff_by_messages_alone() {
-        let pair = compose(Backend::Sglang, HandoffPolicy::DestinationFirst);
-        let at = |pred: &dyn Fn(&Fact) -> bool| pair.facts.iter().position(|(_, f)| pred(f)).unwrap();
-        assert!(
-            at(&|f| matches!(f, Fact::DestinationReserved { .. }))
-                < at(&|f| matches!(f, Fact::SourcePinned { .. }))
-        );
     }
 
     #[test]
@@ -964,21 +786,5 @@ mod runtime_nodes {
         let mut r = Ready::default();
         node.on_peer(8, late, &mut r);
         assert!(matches!(r.facts.as_slice(), [Fact::MessageRejected { .. }]), "{r:?}");
-    }
-
-    #[test]
-    fn a_restart_cancels_every_role_and_names_the_handoffs_for_their_peers() {
-        let mut pair = Pair::new(Backend::Vllm, HandoffPolicy::SourceFirst);
-        let h = handoff();
-        pair.frontend(0, ToWorker::StartSource { handoff: h, request: request(), destination: None });
-        pair.run();
-        let mut r = Ready::default();
-        let held = pair.nodes[0].restart(pair.now_ns, &mut r);
-        assert_eq!(held, vec![h]);
-        assert_eq!(pair.nodes[0].generation(), Generation(2));
-        assert!(matches!(r.facts.first(), Some(Fact::SessionStarted { generation: Generation(2) })));
-        pair.carry(0, r);
-        pair.run();
-        assert!(pair.nodes[0].holds_nothing(), "the restarted node kept its pin");
     }
 }
