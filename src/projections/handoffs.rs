@@ -104,11 +104,101 @@ impl HandoffEntry {
         out
     }
 
+    /// The milestones as `diff` compares them: ordered by each role's own stream and by the
+    /// messages between the roles, never by comparing the two roles' timestamps (live, those
+    /// come from two processes' clocks). Each role's facts are taken in its stream's order; a
+    /// fact after a role received a message comes after the other role sent it; otherwise the
+    /// source's go first. A source-first handoff reads `SourceHeld, DestinationAccepted,
+    /// DestinationReserved, DestinationActivated, SourceReleased`; a destination-first one starts
+    /// `DestinationAccepted, DestinationReserved, SourceHeld`, because its source heard of the
+    /// reservation before it held anything.
+    pub fn per_role(&self) -> Vec<Milestone> {
+        let side = |who: Option<WorkerId>| -> Vec<CausalStep> {
+            let Some(w) = who else { return Vec::new() };
+            self.transitions.iter().filter(|t| t.worker == w).filter_map(CausalStep::of).collect()
+        };
+        let (source, destination) = (side(self.source), side(self.destination));
+        let messages = source.iter().chain(&destination).any(|s| !matches!(s, CausalStep::Milestone(_)));
+        if !messages {
+            // Nothing causal between the roles (a log written without its messages): the
+            // timestamps are all there is.
+            return self.normalized();
+        }
+        let mut out = causal_merge(&source, &destination);
+        if !out.contains(&Milestone::DestinationAccepted) && self.routed_at_ns.is_some() {
+            // Routed by the router alone (its stream is not a role's): before the destination's
+            // own facts.
+            let at = out.iter().position(|m| matches!(m, Milestone::DestinationReserved | Milestone::DestinationActivated));
+            out.insert(at.unwrap_or(out.len()), Milestone::DestinationAccepted);
+        }
+        if self.outcome() == HandoffOutcome::Completed {
+            out.push(Milestone::Completed);
+        }
+        out
+    }
+
     /// How long the source was pinned (to release, or to `end_ns` if still pinned).
     pub fn pinned_ns(&self, end_ns: u64) -> Option<u64> {
         let from = self.pinned_at_ns?;
         Some(self.source_released_at_ns.unwrap_or(end_ns).saturating_sub(from))
     }
+}
+
+/// One role's fact, as the causal order of [`HandoffEntry::per_role`] sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CausalStep {
+    Milestone(Milestone),
+    Sent(MessageKind),
+    Received(MessageKind),
+}
+
+impl CausalStep {
+    fn of(t: &Transition) -> Option<Self> {
+        Some(match (t.fact, t.message) {
+            ("SourcePinned", _) => CausalStep::Milestone(Milestone::SourceHeld),
+            ("SourceReleased", _) => CausalStep::Milestone(Milestone::SourceReleased),
+            ("DestinationRouted", _) => CausalStep::Milestone(Milestone::DestinationAccepted),
+            ("DestinationReserved", _) => CausalStep::Milestone(Milestone::DestinationReserved),
+            ("DestinationActivated", _) => CausalStep::Milestone(Milestone::DestinationActivated),
+            ("MessageSent", Some(k)) => CausalStep::Sent(k),
+            ("MessageReceived", Some(k)) => CausalStep::Received(k),
+            _ => return None,
+        })
+    }
+}
+
+/// Merges the two roles' steps: a receive waits for its send on the other side (the n-th
+/// receive of a kind for the n-th send); otherwise the source's steps go first. A receive
+/// whose send is missing (a log cut short) does not hold the merge up.
+fn causal_merge(source: &[CausalStep], destination: &[CausalStep]) -> Vec<Milestone> {
+    let sides = [source, destination];
+    let mut next = [0usize; 2];
+    let mut sent: [Vec<MessageKind>; 2] = [Vec::new(), Vec::new()];
+    let mut received: [Vec<MessageKind>; 2] = [Vec::new(), Vec::new()];
+    let mut out = Vec::new();
+    let ready = |side: usize, step: &CausalStep, sent: &[Vec<MessageKind>; 2], received: &[Vec<MessageKind>; 2]| {
+        match step {
+            CausalStep::Received(k) => {
+                let sends = sent[1 - side].iter().filter(|x| *x == k).count();
+                let receives = received[side].iter().filter(|x| *x == k).count();
+                sends > receives
+            }
+            _ => true,
+        }
+    };
+    while next[0] < sides[0].len() || next[1] < sides[1].len() {
+        let pick = (0..2)
+            .find(|s| next[*s] < sides[*s].len() && ready(*s, &sides[*s][next[*s]], &sent, &received))
+            .unwrap_or(if next[0] < sides[0].len() { 0 } else { 1 });
+        let step = sides[pick][next[pick]];
+        next[pick] += 1;
+        match step {
+            CausalStep::Milestone(m) => out.push(m),
+            CausalStep::Sent(k) => sent[pick].push(k),
+            CausalStep::Received(k) => received[pick].push(k),
+        }
+    }
+    out
 }
 
 /// The fold. Memory grows with the number of handoffs in the log (it keeps every transition):

@@ -521,6 +521,27 @@ impl Frontend {
         }
     }
 
+    /// A worker's process is gone without a word (it died, or its link broke off): every role
+    /// the frontend believes is on it ended there, failed; every request decoding there fails;
+    /// and routing leaves it out (while another worker of its role is left) until it comes
+    /// back under a new session. Its peers reclaim their side themselves.
+    pub fn worker_lost(&mut self, at_ns: u64, worker: WorkerId, out: &mut FrontendReady) {
+        self.session_reset(at_ns, worker, out);
+        let decoding: Vec<RequestId> = self
+            .guards
+            .iter()
+            .filter(|(_, g)| g.placement.decode == Some(worker) || (g.placement.handoff.is_none() && g.placement.prefill == Some(worker)))
+            .map(|(r, _)| *r)
+            .collect();
+        for request in decoding {
+            self.terminal(at_ns, request, TerminalStatus::Failed, 0, out);
+        }
+        if let Ok(router) = self.router_mut(worker.role) {
+            // The last worker of a role stays: requests routed to it fail at once instead.
+            let _ = router.remove_worker(worker);
+        }
+    }
+
     fn fail_unless_activated(&mut self, at_ns: u64, request: RequestId, out: &mut FrontendReady) {
         let Some(g) = self.guards.get(&request) else { return };
         if g.activated {

@@ -259,6 +259,13 @@ impl WorkerNode {
         }
     }
 
+    /// A node whose session starts at `generation` (a live worker rejoining a run under the
+    /// generation its frontend gave it).
+    pub fn with_generation(mut self, generation: Generation) -> Self {
+        self.generation = generation;
+        self
+    }
+
     pub fn id(&self) -> WorkerId {
         self.id
     }

@@ -90,12 +90,17 @@ pub fn text(r: &DiffReport) -> Vec<String> {
                 format!("{} (±{}%)", k.as_str(), r.timing.tolerance_pct),
                 if r.strict_timing { "yes" } else { "no (reported)" },
             )
+        } else if r.relaxed.contains_key(&k) {
+            (k.as_str().to_string(), "no (relaxed)")
         } else {
             (k.as_str().to_string(), "yes")
         };
         t.add_row(vec![label, n.to_string(), fails.to_string()]);
     }
     lines.push(t.to_string());
+    for (k, why) in &r.relaxed {
+        lines.push(format!("relaxed {}: {why}", k.as_str()));
+    }
     if !r.examples.is_empty() {
         lines.push("examples:".into());
         for d in &r.examples {

@@ -5,6 +5,7 @@ mod cmd_compare;
 mod cmd_diff;
 mod cmd_index;
 mod cmd_inspect;
+mod cmd_live;
 mod cmd_project;
 mod cmd_replay;
 mod cmd_show;
@@ -65,6 +66,12 @@ enum Command {
     /// Replay a trace through a simulated disaggregated (or aggregated) cluster; print the
     /// serving report and write one fact stream per worker to `--out`.
     Replay(Box<cmd_replay::ReplayArgs>),
+    /// Run the cluster as real processes: this one is the frontend, and one `worker` process
+    /// per worker talks TCP on wall clocks; each writes its stream in `--out` (clock `wall`), so
+    /// `diff LIVE REPLAY` compares it with the replay of the same trace and configuration.
+    Live(Box<cmd_live::LiveArgs>),
+    /// One live worker process (what `live` starts; run it by hand on another host).
+    Worker(cmd_live::WorkerArgs),
     /// Write a run directory as one merged file (records in merge order).
     Merge {
         /// A run directory (or any run).
@@ -232,6 +239,8 @@ fn main() -> ExitCode {
         Command::Merge { run, out, force, json } => cmd_verify::merge(&run, &out, force, json),
         Command::Recover { run, json } => cmd_verify::recover(&run, json),
         Command::Replay(args) => cmd_replay::run(*args),
+        Command::Live(args) => cmd_live::run(&args),
+        Command::Worker(args) => cmd_live::run_worker(&args),
         Command::Inspect(args) => cmd_inspect::run(&args),
         Command::Timeline(args) => cmd_timeline::run(&args),
         Command::Diff { a, b, json, timing_tolerance, strict_timing } => {

@@ -45,12 +45,15 @@ struct HandoffSignature {
     source_end: Option<EndReason>,
     reservation_end: Option<EndReason>,
     canceled: Option<CancelReason>,
+    /// Each role's KV moves, in its own stream's order: taken and returned exactly once.
+    source_kv: Vec<String>,
+    destination_kv: Vec<String>,
 }
 
 impl HandoffSignature {
-    fn of(e: &HandoffEntry) -> Self {
+    fn of(e: &HandoffEntry, o: &OpenHandoff) -> Self {
         HandoffSignature {
-            normalized: e.normalized(),
+            normalized: e.per_role(),
             outcome: e.outcome(),
             source: e.source,
             destination: e.destination,
@@ -60,6 +63,8 @@ impl HandoffSignature {
             source_end: e.source_end,
             reservation_end: e.reservation_end,
             canceled: e.canceled,
+            source_kv: o.source_kv.clone(),
+            destination_kv: o.destination_kv.clone(),
         }
     }
 
@@ -88,6 +93,8 @@ impl HandoffSignature {
         field!(source_end);
         field!(reservation_end);
         field!(canceled);
+        field!(source_kv);
+        field!(destination_kv);
         out.join("; ")
     }
 }
@@ -99,6 +106,9 @@ struct RequestSignature {
     output_tokens: Option<u32>,
     prefill_workers: Vec<WorkerId>,
     decode_workers: Vec<WorkerId>,
+    /// The router's booking facts of the request, sorted: each booking taken and freed exactly
+    /// once.
+    bookings: Vec<String>,
 }
 
 impl RequestSignature {
@@ -115,7 +125,45 @@ impl RequestSignature {
         field!(output_tokens);
         field!(prefill_workers);
         field!(decode_workers);
+        field!(bookings);
         out.join("; ")
+    }
+}
+
+/// One role of a handoff as its own stream tells it: whether it has ended there. A handoff
+/// is compared only once every role that started has ended on its own stream, so the result
+/// never depends on how two processes' clocks (or a message's latency) interleave the roles'
+/// facts with the router's.
+#[derive(Clone, Copy, Debug, Default)]
+struct RoleProgress {
+    stream: usize,
+    is_source: bool,
+    pinned: bool,
+    /// A reservation queued or held and not yet dequeued, released or activated.
+    waiting: bool,
+    canceled: bool,
+    ended: bool,
+}
+
+impl RoleProgress {
+    fn observe(&mut self, fact: &Fact) {
+        match fact {
+            Fact::SourcePinned { .. } => self.pinned = true,
+            Fact::SourceReleased { .. } => self.ended = true,
+            Fact::ReservationQueued { .. } | Fact::DestinationReserved { .. } => self.waiting = true,
+            Fact::ReservationDequeued { .. } | Fact::ReservationReleased { .. } | Fact::DestinationActivated { .. } => {
+                self.waiting = false;
+                if !self.is_source {
+                    self.ended = true;
+                }
+            }
+            Fact::HandoffCanceled { .. } => self.canceled = true,
+            _ => {}
+        }
+        // A canceled role that holds nothing has nothing left to end.
+        if self.canceled && !self.waiting && (!self.is_source || !self.pinned) {
+            self.ended = true;
+        }
     }
 }
 
@@ -124,6 +172,9 @@ struct OpenHandoff {
     request: Option<RequestId>,
     attempt: Option<u32>,
     request_finished: bool,
+    roles: Vec<RoleProgress>,
+    source_kv: Vec<String>,
+    destination_kv: Vec<String>,
     ring: VecDeque<RecordRef>,
     last: Option<Location>,
     last_ref: Option<RecordRef>,
@@ -176,6 +227,7 @@ struct OpenRequest {
     decode_workers: Vec<WorkerId>,
     attempts: u32,
     handoffs: Vec<HandoffId>,
+    bookings: Vec<String>,
     ring: VecDeque<RecordRef>,
     last: Option<Location>,
     last_ref: Option<RecordRef>,
@@ -275,8 +327,18 @@ impl EntitySide {
                     Fact::RequestArrived { .. } if worker.role == Role::Router || !self.has_router => {
                         e.arrival_ns.get_or_insert(rec.at_ns);
                     }
-                    Fact::PrefillBooked { worker: w, .. } => e.prefill_workers.push(*w),
-                    Fact::DecodeBooked { worker: w, .. } => e.decode_workers.push(*w),
+                    Fact::PrefillBooked { worker: w, .. } => {
+                        e.prefill_workers.push(*w);
+                        e.bookings.push(super::sequences::fact_text(&rec.fact));
+                    }
+                    Fact::DecodeBooked { worker: w, .. } => {
+                        e.decode_workers.push(*w);
+                        e.bookings.push(super::sequences::fact_text(&rec.fact));
+                    }
+                    Fact::PrefillComputeDone { .. }
+                    | Fact::PrefillBookingFreed { .. }
+                    | Fact::DecodeBookingFreed { .. } => e.bookings.push(super::sequences::fact_text(&rec.fact)),
+
                     Fact::FirstTokenEmitted { .. }
                         if matches!(worker.role, Role::Decode | Role::Aggregated) =>
                     {
@@ -291,6 +353,22 @@ impl EntitySide {
             if !self.finished_handoffs.contains(&h) {
                 self.ledger.apply(worker, &rec);
                 let o = self.open_handoffs.entry(h).or_default();
+                if matches!(rec.fact, Fact::HandoffStarted { .. }) && !o.roles.iter().any(|p| p.stream == i) {
+                    let is_source = worker.role != Role::Decode;
+                    o.roles.push(RoleProgress { stream: i, is_source, ..RoleProgress::default() });
+                }
+                if let Some(p) = o.roles.iter_mut().find(|p| p.stream == i) {
+                    p.observe(&rec.fact);
+                    let delta = rec.fact.kv_delta();
+                    if delta != crate::model::KvDelta::ZERO {
+                        let text = format!("{} {delta}", rec.fact.name());
+                        if p.is_source {
+                            o.source_kv.push(text);
+                        } else {
+                            o.destination_kv.push(text);
+                        }
+                    }
+                }
                 push_ring(&mut o.ring, cap, r);
                 o.last = Some(loc.clone());
                 o.last_ref = Some(r);
@@ -345,6 +423,13 @@ impl EntitySide {
                 output_tokens,
                 prefill_workers: e.prefill_workers,
                 decode_workers: e.decode_workers,
+                // Which bookings, each exactly once; their order is the policy's (and, live,
+                // the network's), which booking-sequence compares.
+                bookings: {
+                    let mut b = e.bookings;
+                    b.sort();
+                    b
+                },
             },
             ttft_ns: match (e.arrival_ns, e.first_token_ns, status) {
                 (Some(a), Some(f), Some(TerminalStatus::Completed)) => Some(f.saturating_sub(a)),
@@ -366,6 +451,9 @@ impl EntitySide {
     }
 
     fn try_finish_handoff(&mut self, h: HandoffId) {
+        if self.open_handoffs.get(&h).is_some_and(|o| o.roles.iter().any(|p| !p.ended)) {
+            return;
+        }
         let holds = match self.ledger.get(&h) {
             Some(e) => {
                 let source_open = e.pinned_at_ns.is_some() && e.source_released_at_ns.is_none();
@@ -400,7 +488,7 @@ impl EntitySide {
         self.fresh_handoffs.push((
             key,
             FinishedHandoff {
-                sig: HandoffSignature::of(&e),
+                sig: HandoffSignature::of(&e, &o),
                 pin_ns,
                 trail: Trail { last: o.last, ring: o.ring.into_iter().collect(), last_ref: o.last_ref },
             },

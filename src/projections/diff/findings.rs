@@ -18,6 +18,8 @@ pub(super) struct Candidate {
 
 /// Collects differences: counts, examples, and the earliest one with its context.
 pub(super) struct Findings {
+    /// Kinds counted but not held against equivalence (never the first divergence).
+    pub(super) relaxed: Vec<DiffKind>,
     pub(super) opts: DiffOptions,
     pub(super) counts: BTreeMap<DiffKind, u64>,
     pub(super) examples: Vec<Difference>,
@@ -34,7 +36,7 @@ impl Findings {
         if *n as usize <= self.opts.max_examples {
             self.examples.push(cand.diff.clone());
         }
-        if kind == DiffKind::Timing && !self.opts.strict_timing {
+        if (kind == DiffKind::Timing && !self.opts.strict_timing) || self.relaxed.contains(&kind) {
             return;
         }
         let better = match &self.first {

@@ -144,4 +144,7 @@ pub struct DiffReport {
     pub timing: TimingSummary,
     /// Whether timing differences counted against equivalence.
     pub strict_timing: bool,
+    /// Kinds reported but not counted against equivalence, each with why (a wall-clock run
+    /// compared with a virtual one).
+    pub relaxed: BTreeMap<DiffKind, String>,
 }

@@ -234,20 +234,15 @@ impl<'a> Replay<'a> {
         let policy = cfg.effective_policy();
         cfg.transfer.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
         let workload = Workload::new(trace, cfg.load, cfg.max_buffered_requests)?;
-        let mut mint = IdMint::from_seed(cfg.seed);
-        // The run id used to be these two draws; they are still taken so that every later draw
-        // (router seeds, handoff ids) stays what it was. The run id now also depends on the
-        // trace and the configuration (identity.rs), so runs of seed 0 no longer share one.
-        let _ = (mint.next_u64(), mint.next_u64());
         let run_id = identity::run_id(options.trace.as_ref(), &cfg);
         let description = identity::describe(options.trace.as_ref(), &cfg);
         let workers = starting_workers(&cfg);
-        let (nodes, mut headers, block_size) = engine_nodes(&workers, &cfg, run_id, policy)?;
+        let (nodes, mut headers, block_size) = engine_nodes(&workers, &cfg, run_id, policy, ClockDomain::Virtual)?;
         let contention = contention_model(&cfg, &workers)?;
         // The router has no engine: its header's free-text config says what was run (trace,
         // shape, routers, config digest), which `compare` shows.
         let router_shape = EngineShape { config_json: description.to_json(), ..EngineShape::none() };
-        headers.push(header(run_id, WorkerId::ROUTER, &cfg, policy, router_shape));
+        headers.push(header(run_id, WorkerId::ROUTER, &cfg, policy, router_shape, ClockDomain::Virtual));
         let mut metrics = MetricsFold::new().with_slo(options.slo);
         if let Some(sink) = options.per_request {
             metrics = metrics.with_sink(sink);
@@ -258,22 +253,7 @@ impl<'a> Replay<'a> {
         let out = RunWriter::create(out_dir, headers)?;
         let sink = FactSink::start(out, metrics)
             .map_err(|e| ReplayError::Engine(format!("starting the log writer thread: {e}")))?;
-        let (prefill_router, decode_router) = routers(&cfg, &workers, block_size, &mut mint)?;
-        let frontend_config = FrontendConfig {
-            policy,
-            disaggregated: cfg.is_disaggregated(),
-            bootstrap_timeout_ns: cfg.bootstrap_timeout_ms * NS_PER_MS,
-            max_in_flight: cfg.max_in_flight,
-            block_size,
-            latency_samples: cfg.planner.is_some(),
-        };
-        let frontend = Frontend::new(
-            frontend_config,
-            prefill_router,
-            decode_router,
-            mint,
-            Box::new(PromptLink(cfg.transfer)),
-        );
+        let frontend = build_frontend(&cfg, &workers, block_size, policy)?;
         let (prefill_slots, decode_slots) = role_slots(&workers);
         let folded = options.check_every_event.then(|| nodes.iter().map(|n| n.core().snapshot()).collect());
         let mut r = Replay {
@@ -373,8 +353,33 @@ impl<'a> Replay<'a> {
     }
 }
 
+/// The frontend of a run: its routers over `workers` and the handoff-id mint, every draw taken
+/// from the seed in one order, so replay and live of one configuration mint the same ids.
+pub fn build_frontend(
+    cfg: &ReplayConfig,
+    workers: &[WorkerId],
+    block_size: u32,
+    policy: HandoffPolicy,
+) -> Result<Frontend, ReplayError> {
+    let mut mint = IdMint::from_seed(cfg.seed);
+    // The run id used to be these two draws; they are still taken so that every later draw
+    // (router seeds, handoff ids) stays what it was. The run id now also depends on the
+    // trace and the configuration (identity.rs), so runs of seed 0 no longer share one.
+    let _ = (mint.next_u64(), mint.next_u64());
+    let (prefill_router, decode_router) = routers(cfg, workers, block_size, &mut mint)?;
+    let frontend_config = FrontendConfig {
+        policy,
+        disaggregated: cfg.is_disaggregated(),
+        bootstrap_timeout_ns: cfg.bootstrap_timeout_ms * NS_PER_MS,
+        max_in_flight: cfg.max_in_flight,
+        block_size,
+        latency_samples: cfg.planner.is_some(),
+    };
+    Ok(Frontend::new(frontend_config, prefill_router, decode_router, mint, Box::new(PromptLink(cfg.transfer))))
+}
+
 /// The workers a run starts with, in slot order: prefill then decode, or the aggregated ones.
-fn starting_workers(cfg: &ReplayConfig) -> Vec<WorkerId> {
+pub fn starting_workers(cfg: &ReplayConfig) -> Vec<WorkerId> {
     if cfg.is_disaggregated() {
         let prefill = (0..cfg.prefill_workers).map(WorkerId::prefill);
         prefill.chain((0..cfg.decode_workers).map(WorkerId::decode)).collect()
@@ -385,11 +390,12 @@ fn starting_workers(cfg: &ReplayConfig) -> Vec<WorkerId> {
 
 /// A node with its engine core for each worker, the workers' stream headers, and the one
 /// block size they must share.
-fn engine_nodes(
+pub fn engine_nodes(
     workers: &[WorkerId],
     cfg: &ReplayConfig,
     run_id: uuid::Uuid,
     policy: HandoffPolicy,
+    clock: ClockDomain,
 ) -> Result<(Vec<WorkerNode>, Vec<StreamHeader>, u32), ReplayError> {
     let mut nodes = Vec::new();
     let mut headers = Vec::new();
@@ -405,14 +411,14 @@ fn engine_nodes(
             .into());
         }
         block_size = shape.block_size;
-        headers.push(header(run_id, *w, cfg, policy, shape));
+        headers.push(header(run_id, *w, cfg, policy, shape, clock));
         nodes.push(WorkerNode::new(*w, core, node_config(cfg, policy)));
     }
     Ok((nodes, headers, block_size))
 }
 
 /// What every node of the run is configured with.
-fn node_config(cfg: &ReplayConfig, policy: HandoffPolicy) -> NodeConfig {
+pub fn node_config(cfg: &ReplayConfig, policy: HandoffPolicy) -> NodeConfig {
     NodeConfig {
         policy,
         lease_ns: cfg.lease_ms * NS_PER_MS,
@@ -521,7 +527,7 @@ fn role_slots(workers: &[WorkerId]) -> (Vec<usize>, Vec<usize>) {
 }
 
 /// The engine core of worker `w`, as the configuration gives its role.
-fn make_core(w: WorkerId, cfg: &ReplayConfig) -> Result<Box<dyn EngineCore>, ReplayError> {
+pub fn make_core(w: WorkerId, cfg: &ReplayConfig) -> Result<Box<dyn EngineCore>, ReplayError> {
     Ok(match cfg.backend {
         Backend::Vllm | Backend::TrtLlm => Box::new(
             VllmCore::new(w, cfg.backend, *cfg.vllm_for(w.role))
@@ -534,19 +540,20 @@ fn make_core(w: WorkerId, cfg: &ReplayConfig) -> Result<Box<dyn EngineCore>, Rep
     })
 }
 
-fn header(
+pub fn header(
     run_id: uuid::Uuid,
     worker: WorkerId,
     cfg: &ReplayConfig,
     policy: HandoffPolicy,
     engine: EngineShape,
+    clock: ClockDomain,
 ) -> StreamHeader {
     StreamHeader {
         run_id,
         worker,
         backend: cfg.backend,
         policy,
-        clock: ClockDomain::Virtual,
+        clock,
         seed: cfg.seed,
         engine,
     }
