@@ -128,7 +128,9 @@ impl HandoffEntry {
         if !out.contains(&Milestone::DestinationAccepted) && self.routed_at_ns.is_some() {
             // Routed by the router alone (its stream is not a role's): before the destination's
             // own facts.
-            let at = out.iter().position(|m| matches!(m, Milestone::DestinationReserved | Milestone::DestinationActivated));
+            let at = out
+                .iter()
+                .position(|m| matches!(m, Milestone::DestinationReserved | Milestone::DestinationActivated));
             out.insert(at.unwrap_or(out.len()), Milestone::DestinationAccepted);
         }
         if self.outcome() == HandoffOutcome::Completed {
@@ -176,16 +178,17 @@ fn causal_merge(source: &[CausalStep], destination: &[CausalStep]) -> Vec<Milest
     let mut sent: [Vec<MessageKind>; 2] = [Vec::new(), Vec::new()];
     let mut received: [Vec<MessageKind>; 2] = [Vec::new(), Vec::new()];
     let mut out = Vec::new();
-    let ready = |side: usize, step: &CausalStep, sent: &[Vec<MessageKind>; 2], received: &[Vec<MessageKind>; 2]| {
-        match step {
-            CausalStep::Received(k) => {
-                let sends = sent[1 - side].iter().filter(|x| *x == k).count();
-                let receives = received[side].iter().filter(|x| *x == k).count();
-                sends > receives
+    let ready =
+        |side: usize, step: &CausalStep, sent: &[Vec<MessageKind>; 2], received: &[Vec<MessageKind>; 2]| {
+            match step {
+                CausalStep::Received(k) => {
+                    let sends = sent[1 - side].iter().filter(|x| *x == k).count();
+                    let receives = received[side].iter().filter(|x| *x == k).count();
+                    sends > receives
+                }
+                _ => true,
             }
-            _ => true,
-        }
-    };
+        };
     while next[0] < sides[0].len() || next[1] < sides[1].len() {
         let pick = (0..2)
             .find(|s| next[*s] < sides[*s].len() && ready(*s, &sides[*s][next[*s]], &sent, &received))

@@ -530,7 +530,10 @@ impl Frontend {
         let decoding: Vec<RequestId> = self
             .guards
             .iter()
-            .filter(|(_, g)| g.placement.decode == Some(worker) || (g.placement.handoff.is_none() && g.placement.prefill == Some(worker)))
+            .filter(|(_, g)| {
+                g.placement.decode == Some(worker)
+                    || (g.placement.handoff.is_none() && g.placement.prefill == Some(worker))
+            })
             .map(|(r, _)| *r)
             .collect();
         for request in decoding {

@@ -272,6 +272,20 @@ pub fn text(r: &InspectReport, path: &Path) -> String {
     }
     line(String::new());
 
+    // --- lost workers ---
+    for l in &r.workers_lost {
+        let peers: Vec<String> = l.by_peer.iter().map(|(p, n)| format!("{p} {n}")).collect();
+        line(format!(
+            "WORKER LOST: {}'s stream stops at {:.3} ms without its end marker, while the run went on (the process died or its links broke); its peers ended {} handoff roles shared with it on their own (peer lost{}), and {} requests placed on it failed.",
+            l.worker,
+            l.stopped_at_ms,
+            l.peer_roles_ended,
+            if peers.is_empty() { String::new() } else { format!(": {}", peers.join(", ")) },
+            l.failed_requests
+        ));
+        line(String::new());
+    }
+
     // --- gating ---
     match &r.gating {
         Some(g) => {

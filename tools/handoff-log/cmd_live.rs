@@ -98,7 +98,12 @@ pub fn run_worker(a: &WorkerArgs) -> Result<u8, CliError> {
     let worker = match a.role {
         Role::Prefill => WorkerId::prefill(a.index),
         Role::Decode => WorkerId::decode(a.index),
-        other => return Err(CliError::new(2, format!("--role {}: a live worker is prefill or decode", other.as_str()))),
+        other => {
+            return Err(CliError::new(
+                2,
+                format!("--role {}: a live worker is prefill or decode", other.as_str()),
+            ))
+        }
     };
     let options = WorkerOptions {
         worker,
@@ -144,10 +149,14 @@ pub fn run(a: &LiveArgs) -> Result<u8, CliError> {
     let workers_of_run = handoff_ledger::adapters::replay::engine::starting_workers(&cfg);
     let mut children = None;
     if a.external_workers {
-        eprintln!("handoff-log live: frontend listening on {address}; waiting for {} workers", workers_of_run.len());
+        eprintln!(
+            "handoff-log live: frontend listening on {address}; waiting for {} workers",
+            workers_of_run.len()
+        );
     } else {
         let exe = std::env::current_exe()?;
-        let plan = LaunchPlan { exe: &exe, frontend: address.clone(), out: a.out.clone(), metrics: a.metrics };
+        let plan =
+            LaunchPlan { exe: &exe, frontend: address.clone(), out: a.out.clone(), metrics: a.metrics };
         children = Some(Workers::spawn(&plan, &workers_of_run)?);
     }
     let list_path = a.out.join("live-workers.json");
@@ -164,7 +173,7 @@ pub fn run(a: &LiveArgs) -> Result<u8, CliError> {
     let exits = children.as_mut().map(|c| c.wait_all(Duration::from_secs(20))).unwrap_or_default();
     let wall_ms = started.elapsed().as_secs_f64() * 1e3;
     let outcome = result.map_err(|e| CliError::new(1, format!("live run: {e}")))?;
-    let report = fold_report(&a.out, a.slo.clone().unwrap_or_default(), a.per_request.as_deref())?;
+    let report = fold_report(&a.out, a.slo.unwrap_or_default(), a.per_request.as_deref())?;
     let json = report_json(&report, &outcome, run_id, wall_ms, &a.out, &exits);
     if let Some(p) = &a.report_json {
         let text = serde_json::to_string_pretty(&json).unwrap_or_default();
@@ -174,7 +183,11 @@ pub fn run(a: &LiveArgs) -> Result<u8, CliError> {
     if a.json {
         out.line(&serde_json::to_string_pretty(&json).unwrap_or_default())?;
     } else {
-        out.line(&format!("live run {run_id} · {} workers · time scale {}", workers_of_run.len(), a.time_scale))?;
+        out.line(&format!(
+            "live run {run_id} · {} workers · time scale {}",
+            workers_of_run.len(),
+            a.time_scale
+        ))?;
         out.line(&crate::report::table(&report, Some(gpus_per_worker)))?;
         for line in live_lines(&outcome, &exits, a.time_scale) {
             out.line(&line)?;
@@ -220,7 +233,11 @@ fn prepare_out(out: &Path, force: bool) -> Result<(), CliError> {
             if !force {
                 return Err(CliError::new(
                     2,
-                    format!("{} holds the streams of another run ({}); give --force to replace them", out.display(), p.display()),
+                    format!(
+                        "{} holds the streams of another run ({}); give --force to replace them",
+                        out.display(),
+                        p.display()
+                    ),
                 ));
             }
             std::fs::remove_file(&p)?;
@@ -266,7 +283,10 @@ fn report_json(
         m.insert("wall_time_ms".into(), wall_ms.into());
         m.insert("log_dir".into(), out.display().to_string().into());
         m.insert("trace_lines".into(), outcome.trace_lines_read.into());
-        m.insert("drained".into(), (outcome.lost.is_empty() && outcome.summaries.values().all(|s| s.drained)).into());
+        m.insert(
+            "drained".into(),
+            (outcome.lost.is_empty() && outcome.summaries.values().all(|s| s.drained)).into(),
+        );
         m.insert("frontend_lag".into(), serde_json::to_value(outcome.lag).unwrap_or_default());
         m.insert("workers".into(), serde_json::to_value(&outcome.summaries).unwrap_or_default());
         let lost: Vec<String> = outcome.lost.iter().map(|(w, why)| format!("{w}: {why}")).collect();

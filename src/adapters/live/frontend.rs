@@ -25,9 +25,9 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::BufWriter;
 use std::path::PathBuf;
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use tokio::sync::mpsc;
 use tokio_util::codec::Framed;
 
@@ -50,6 +50,9 @@ pub struct JoinedWorker {
     pub metrics: Option<String>,
 }
 
+/// Told of every worker once all have joined.
+pub type OnJoined = Box<dyn FnOnce(&[JoinedWorker]) + Send>;
+
 /// What the frontend needs to run.
 pub struct FrontendSetup {
     pub cfg: ReplayConfig,
@@ -60,7 +63,7 @@ pub struct FrontendSetup {
     pub workload: Workload,
     /// Told of every worker once all have joined (the launcher writes them down for tests and
     /// operators).
-    pub on_joined: Box<dyn FnOnce(&[JoinedWorker]) + Send>,
+    pub on_joined: OnJoined,
 }
 
 /// How a live run ended at the frontend.
@@ -304,10 +307,7 @@ impl FrontendRun {
             while let Ok(e) = self.events.try_recv() {
                 self.on_link_event(e)?;
             }
-            let now = Instant::now();
-            while let Some((at_ns, input)) = self.schedule.pop_released(now) {
-                self.handle(at_ns, input)?;
-            }
+            self.handle_released()?;
             if self.flushed_at.elapsed() >= FLUSH_EVERY {
                 self.stream.flush()?;
                 self.flushed_at = Instant::now();
@@ -318,6 +318,15 @@ impl FrontendRun {
         }
     }
 
+    /// Hands out what is due, in stamp order.
+    fn handle_released(&mut self) -> Result<(), LiveError> {
+        let now = Instant::now();
+        while let Some((at_ns, input)) = self.schedule.pop_released(now) {
+            self.handle(at_ns, input)?;
+        }
+        Ok(())
+    }
+
     /// Whether the run is over: every worker left (or was lost) after the shutdown, or the
     /// leave timeout ran out.
     fn finished(&mut self) -> bool {
@@ -326,7 +335,9 @@ impl FrontendRun {
             for w in self.members.keys().copied().collect::<Vec<_>>() {
                 if self.interrupted {
                     // Closing the link is the word: each worker cancels and leaves.
-                    self.members.get_mut(&w).map(|m| m.to = None);
+                    if let Some(m) = self.members.get_mut(&w) {
+                        m.to = None;
+                    }
                 } else {
                     self.send(w, Frame::new(FrameBody::Shutdown));
                 }
@@ -345,7 +356,10 @@ impl FrontendRun {
     fn finish(&mut self) -> Result<FrontendOutcome, LiveError> {
         for (w, m) in &self.members {
             if !m.said_bye && m.to.is_some() {
-                self.lost.push((*w, format!("did not leave within {} s of the shutdown", LEAVE_TIMEOUT.as_secs())));
+                self.lost.push((
+                    *w,
+                    format!("did not leave within {} s of the shutdown", LEAVE_TIMEOUT.as_secs()),
+                ));
             }
         }
         let at = self.stream.last_at_ns();
@@ -402,13 +416,18 @@ impl FrontendRun {
                 self.send(from, Frame::new(FrameBody::Peers { peers: self.book.clone() }));
                 Ok(())
             }
-            FrameBody::Stamped { at_ns, envelope: Envelope { body: Body::ToFrontend(message), generation, .. } } => {
+            FrameBody::Stamped {
+                at_ns,
+                cause_ns,
+                envelope: Envelope { body: Body::ToFrontend(message), generation, .. },
+            } => {
                 let current = self.members.get(&from).map(|m| m.generation);
                 if current.is_some_and(|g| generation < g) {
                     tracing::warn!(worker = %from, "dropped a report of an older session");
                     return Ok(());
                 }
-                self.push(at_ns, Hold::Report { sender: sender_rank(from) }, Input::FromWorker { from, message })
+                let hold = Hold::Report { cause_ns, sender: sender_rank(from) };
+                self.push(at_ns, hold, Input::FromWorker { from, message })
             }
             FrameBody::Bye { summary } => {
                 if let Some(m) = self.members.get_mut(&from) {
@@ -426,7 +445,9 @@ impl FrontendRun {
     }
 
     fn push(&mut self, at_ns: u64, hold: Hold, input: Input) -> Result<(), LiveError> {
-        self.schedule.push(&self.clock, at_ns, hold, input).map_err(|e| LiveError::Runtime(format!("frontend: {e}")))
+        self.schedule
+            .push(&self.clock, at_ns, hold, input)
+            .map_err(|e| LiveError::Runtime(format!("frontend: {e}")))
     }
 
     fn arm_arrival(&mut self) -> Result<(), LiveError> {
@@ -480,7 +501,8 @@ impl FrontendRun {
         }
         for (to, message) in out.sends {
             let envelope = Envelope::new(Endpoint::Frontend, Generation(1), Body::ToWorker(message));
-            if !self.send(to, Frame::new(FrameBody::Stamped { at_ns, envelope })) {
+            let cause_ns = self.schedule.last_queued_ns();
+            if !self.send(to, Frame::new(FrameBody::Stamped { at_ns, cause_ns, envelope })) {
                 // Work routed to a lost worker fails as the rest of its work did.
                 self.push(at_ns, Hold::Message, Input::WorkerLost(to))?;
             }

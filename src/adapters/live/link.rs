@@ -10,9 +10,9 @@
 use super::wire::{Frame, FrameBody, LinkCodec};
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
+use std::sync::mpsc::SyncSender;
 use std::time::Duration;
 use tokio::net::TcpStream;
-use std::sync::mpsc::SyncSender;
 use tokio::sync::mpsc;
 use tokio_util::codec::Framed;
 

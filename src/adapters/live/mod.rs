@@ -101,13 +101,20 @@ impl LiveTiming {
     pub fn new(time_scale: f64) -> Self {
         LiveTiming {
             time_scale,
+            // A worker's report leaves once its own hold (2 ms) has passed and reaches the
+            // frontend a loopback hop later; the frontend holds reports and arrivals 2 ms
+            // longer, so the reports of one instant are all in and taken in order. What the
+            // frontend relays then reaches a busy worker about 2 ms plus two hops after the
+            // worker's own events of that instant; a step start waits 4.6 ms, so such an input
+            // still makes the batch it would have made in replay. The start's hold must stay
+            // close to the reports' (within a step's wall duration): a step ends no earlier
+            // than its start was handled, and its reports must still reach the frontend inside
+            // their hold. See docs/live.md for what this buys and what it cannot.
             event_hold_us: 2_000,
-            step_hold_us: 2_000,
+            step_hold_us: 4_600,
             gather_us: 200,
-            // A worker's report is sent once its own hold has passed (2 ms), and reaches the
-            // frontend a loopback hop later: these are held a little longer than that.
-            arrival_hold_us: 3_000,
-            report_hold_us: 3_000,
+            arrival_hold_us: 4_000,
+            report_hold_us: 4_000,
             heartbeat_ms: 5_000,
         }
     }
@@ -140,7 +147,8 @@ impl LiveTiming {
 
 /// What live mode cannot run (replay-only features), said before anything starts.
 pub fn check_supported(cfg: &ReplayConfig) -> Result<(), LiveError> {
-    let refuse = |what: &str| Err(LiveError::Config(format!("{what} is replay-only; live mode has real faults")));
+    let refuse =
+        |what: &str| Err(LiveError::Config(format!("{what} is replay-only; live mode has real faults")));
     if !cfg.faults.is_empty() {
         return refuse("a fault plan (`faults`)");
     }

@@ -26,10 +26,11 @@ pub enum Hold {
     StepStartWoken,
     /// The frontend's own event (an arrival, a timer).
     FrontendOwn,
-    /// A worker's report at the frontend: held a little, so reports of one instant from
-    /// several workers are all in and taken in worker order (`sender`), as the replay's queue
-    /// takes the step ends of one instant, not in the order the network delivered them.
-    Report { sender: u32 },
+    /// A worker's report at the frontend. Reports of one instant are taken in the order the
+    /// replay's queue would have taken the events behind them: by the instant each was queued
+    /// at on its worker (`cause_ns`: a step's end is queued when the step starts), then in
+    /// worker order (`sender`), never in the order the network delivered them.
+    Report { cause_ns: u64, sender: u32 },
 }
 
 /// How inputs lagged behind the model, for the report.
@@ -70,8 +71,15 @@ impl LagStats {
 #[error("more than {0} inputs wait to be handled")]
 pub struct ScheduleFull(pub usize);
 
+/// (stamp, rank, cause, sender, arrival).
+type Key = (u64, u8, u64, u32, u64);
+
 pub struct Schedule<T> {
-    items: BTreeMap<(u64, u8, u32, u64), (Instant, T)>,
+    /// Key: (stamp, rank, cause, sender, arrival); value: (release, the stamp the process was at when
+    /// the input was queued, the input).
+    items: BTreeMap<Key, (Instant, u64, T)>,
+    /// The queued-at stamp of the input handed out last.
+    last_queued_ns: u64,
     seq: u64,
     /// The instant of the input handled last.
     last_ns: u64,
@@ -90,6 +98,7 @@ impl<T> Schedule<T> {
             items: BTreeMap::new(),
             seq: 0,
             last_ns: 0,
+            last_queued_ns: 0,
             limit,
             event_hold: Duration::from_micros(timing.event_hold_us),
             step_hold: Duration::from_micros(timing.step_hold_us),
@@ -118,34 +127,45 @@ impl<T> Schedule<T> {
         } else {
             at_ns
         };
-        let (rank, sender, extra) = match hold {
-            Hold::Message => (0, 0, Duration::ZERO),
-            Hold::Own => (0, 0, self.event_hold),
-            Hold::StepStart | Hold::StepStartWoken => (1, 0, self.step_hold),
-            Hold::FrontendOwn => (0, 0, self.arrival_hold),
-            Hold::Report { sender } => (0, sender, self.report_hold),
+        let (rank, cause, sender, extra) = match hold {
+            Hold::Message => (0, 0, 0, Duration::ZERO),
+            Hold::Own => (0, 0, 0, self.event_hold),
+            Hold::StepStart | Hold::StepStartWoken => (1, 0, 0, self.step_hold),
+            Hold::FrontendOwn => (0, 0, 0, self.arrival_hold),
+            Hold::Report { cause_ns, sender } => (0, cause_ns, sender, self.report_hold),
         };
         let mut release = clock.wall_at(stamp) + extra;
         if hold == Hold::StepStartWoken {
             release = release.max(Instant::now() + self.gather);
         }
         self.seq += 1;
-        self.items.insert((stamp, rank, sender, self.seq), (release, item));
+        self.items.insert((stamp, rank, cause, sender, self.seq), (release, self.last_ns, item));
         Ok(())
     }
 
     /// When the head may be handled (`None`: nothing waits).
     pub fn next_release(&self) -> Option<Instant> {
-        self.items.first_key_value().map(|(_, (release, _))| *release)
+        self.items.first_key_value().map(|(_, (release, _, _))| *release)
+    }
+
+    /// The stamp and input at the head.
+    pub fn head(&self) -> Option<(u64, &T)> {
+        self.items.first_key_value().map(|((stamp, ..), (_, _, item))| (*stamp, item))
+    }
+
+    /// The stamp the process was at when the input handed out last was queued.
+    pub fn last_queued_ns(&self) -> u64 {
+        self.last_queued_ns
     }
 
     /// The head, with its instant, if its release has come by `now`.
     pub fn pop_released(&mut self, now: Instant) -> Option<(u64, T)> {
-        let (_, (release, _)) = self.items.first_key_value()?;
+        let (_, (release, _, _)) = self.items.first_key_value()?;
         if *release > now {
             return None;
         }
-        let ((stamp, _, _, _), (release, item)) = self.items.pop_first()?;
+        let ((stamp, ..), (release, queued_ns, item)) = self.items.pop_first()?;
+        self.last_queued_ns = queued_ns;
         let lag = now.saturating_duration_since(release).as_micros() as u64;
         self.stats.handled += 1;
         self.stats.lag_sum_us += lag;
@@ -169,7 +189,7 @@ impl<T> Schedule<T> {
 
     /// Drops every queued input `keep` refuses.
     pub fn retain(&mut self, mut keep: impl FnMut(&T) -> bool) {
-        self.items.retain(|_, (_, item)| keep(item));
+        self.items.retain(|_, (_, _, item)| keep(item));
     }
 }
 

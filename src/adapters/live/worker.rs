@@ -20,8 +20,8 @@ use super::{LiveError, LiveTiming};
 use crate::adapters::replay::config::ReplayConfig;
 use crate::adapters::replay::engine::{header, make_core, node_config};
 use crate::adapters::replay::transfer::{TransferConfig, TransferModel};
-use crate::events::{layout::stream_file_name, EngineShape, Fact, StreamWriter};
 use crate::events::MessageRejection;
+use crate::events::{layout::stream_file_name, EngineShape, Fact, StreamWriter};
 use crate::ids::{Backend, CancelReason, ClockDomain, Generation, HandoffId, WorkerId};
 use crate::lifecycle::messages::HandoffMessage;
 use crate::runtime::{
@@ -32,10 +32,10 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::BufWriter;
 use std::path::PathBuf;
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use tokio::sync::mpsc;
 use tokio_util::codec::Framed;
 
@@ -85,20 +85,24 @@ pub fn run(options: WorkerOptions) -> Result<WorkerSummary, LiveError> {
 
 /// Joins the run: listeners, hello, welcome, clock probes; the worker is ready to start.
 async fn join(options: WorkerOptions) -> Result<Worker, LiveError> {
-    let listener = TcpListener::bind(&options.listen)
-        .await
-        .map_err(|e| LiveError::Io(format!("{}: listening for peers at {}: {e}", options.worker, options.listen)))?;
+    let listener = TcpListener::bind(&options.listen).await.map_err(|e| {
+        LiveError::Io(format!("{}: listening for peers at {}: {e}", options.worker, options.listen))
+    })?;
     let listen = listener.local_addr().map_err(|e| LiveError::Io(e.to_string()))?.to_string();
     let metrics_listener = match &options.metrics {
-        Some(a) => Some(
-            TcpListener::bind(a).await.map_err(|e| LiveError::Io(format!("metrics at {a}: {e}")))?,
-        ),
+        Some(a) => {
+            Some(TcpListener::bind(a).await.map_err(|e| LiveError::Io(format!("metrics at {a}: {e}")))?)
+        }
         None => None,
     };
     let metrics_address = metrics_listener.as_ref().and_then(|l| l.local_addr().ok()).map(|a| a.to_string());
     let mut link = connect_frontend(&options.frontend).await?;
-    let hello =
-        FrameBody::Hello { worker: options.worker, listen, metrics: metrics_address, pid: std::process::id() };
+    let hello = FrameBody::Hello {
+        worker: options.worker,
+        listen,
+        metrics: metrics_address,
+        pid: std::process::id(),
+    };
     let peer = format!("frontend {}", options.frontend);
     link::send_frame(&mut link, hello, &peer).await?;
     let join = join_run(&mut link, &peer).await?;
@@ -142,7 +146,10 @@ async fn join_run(link: &mut Link, peer: &str) -> Result<Join, LiveError> {
     // The frontend answers once every worker of the run has joined.
     let frame = link::next_frame(link, Duration::from_secs(120), peer).await?;
     let FrameBody::Welcome { run_id, generation, config_json, timing, trace_json } = frame.body else {
-        return Err(LiveError::Link { peer: peer.into(), what: format!("expected a welcome, got {:?}", frame.body) });
+        return Err(LiveError::Link {
+            peer: peer.into(),
+            what: format!("expected a welcome, got {:?}", frame.body),
+        });
     };
     let config: ReplayConfig = serde_json::from_str(&config_json)
         .map_err(|e| LiveError::Config(format!("{peer} sent a configuration this build cannot read: {e}")))?;
@@ -173,7 +180,10 @@ async fn probe_clock(
             }
         };
         if answered != id {
-            return Err(LiveError::Link { peer: peer.into(), what: format!("answered probe {answered}, not {id}") });
+            return Err(LiveError::Link {
+                peer: peer.into(),
+                what: format!("answered probe {answered}, not {id}"),
+            });
         }
         let round_trip = received - sent;
         if best.map_or(true, |(b, _, _)| round_trip < b) {
@@ -259,7 +269,8 @@ impl Worker {
             shape.config_json = join.trace_json.clone();
         }
         let stream_header = header(join.run_id, w, cfg, policy, shape, ClockDomain::Wall);
-        std::fs::create_dir_all(&options.out).map_err(|e| LiveError::Io(format!("{}: {e}", options.out.display())))?;
+        std::fs::create_dir_all(&options.out)
+            .map_err(|e| LiveError::Io(format!("{}: {e}", options.out.display())))?;
         let path = options.out.join(stream_file_name(w));
         if path.exists() {
             return Err(LiveError::Config(format!("{}: a stream of {w} is there already", path.display())));
@@ -270,7 +281,8 @@ impl Worker {
         let (sink, source) = link.split();
         let (to_frontend, frames) = mpsc::channel(LINK_QUEUE_FRAMES);
         let heartbeat = join.timing.heartbeat_wall();
-        let frontend_writer = link::spawn_writer(sink, frames, heartbeat, events_in.clone(), LinkEvent::FrontendGone);
+        let frontend_writer =
+            link::spawn_writer(sink, frames, heartbeat, events_in.clone(), LinkEvent::FrontendGone);
         link::spawn_reader(
             source,
             join.timing.silence_limit(),
@@ -413,7 +425,7 @@ impl Worker {
 
     fn on_frontend_frame(&mut self, frame: Frame) -> Result<(), LiveError> {
         match frame.body {
-            FrameBody::Stamped { at_ns, envelope: Envelope { body: Body::ToWorker(m), .. } } => {
+            FrameBody::Stamped { at_ns, envelope: Envelope { body: Body::ToWorker(m), .. }, .. } => {
                 self.push(at_ns, Hold::Message, Input::FromFrontend(m))
             }
             FrameBody::Peers { peers } => {
@@ -444,8 +456,13 @@ impl Worker {
         }
     }
 
-    fn on_peer_frame(&mut self, from: WorkerId, generation: Generation, frame: Frame) -> Result<(), LiveError> {
-        let FrameBody::Stamped { at_ns, envelope } = frame.body else {
+    fn on_peer_frame(
+        &mut self,
+        from: WorkerId,
+        generation: Generation,
+        frame: Frame,
+    ) -> Result<(), LiveError> {
+        let FrameBody::Stamped { at_ns, envelope, .. } = frame.body else {
             tracing::warn!(worker = %self.id, peer = %from, "unexpected frame from a peer: {:?}", frame.body);
             return Ok(());
         };
@@ -602,15 +619,23 @@ impl Worker {
     fn carry_output(&mut self, at_ns: u64, output: Output) -> Result<(), LiveError> {
         match output {
             Output::ToFrontend(m) => {
-                let envelope = Envelope::new(Endpoint::Worker(self.id), self.node.generation(), Body::ToFrontend(m));
-                self.send_frontend(FrameBody::Stamped { at_ns, envelope });
+                let envelope =
+                    Envelope::new(Endpoint::Worker(self.id), self.node.generation(), Body::ToFrontend(m));
+                let cause_ns = self.schedule.last_queued_ns();
+                self.send_frontend(FrameBody::Stamped { at_ns, cause_ns, envelope });
             }
             Output::ToWorker { to, message } => {
-                let envelope = Envelope::new(Endpoint::Worker(self.id), self.node.generation(), Body::Handoff(message));
-                self.send_peer(to, Frame::new(FrameBody::Stamped { at_ns, envelope }));
+                let envelope =
+                    Envelope::new(Endpoint::Worker(self.id), self.node.generation(), Body::Handoff(message));
+                let cause_ns = self.schedule.last_queued_ns();
+                self.send_peer(to, Frame::new(FrameBody::Stamped { at_ns, cause_ns, envelope }));
             }
-            Output::Command { at_ns: due, command } => self.push(due.max(at_ns), Hold::Own, Input::Command(command))?,
-            Output::Timer { at_ns: due, timer } => self.push(due.max(at_ns), Hold::Own, Input::Timer(timer))?,
+            Output::Command { at_ns: due, command } => {
+                self.push(due.max(at_ns), Hold::Own, Input::Command(command))?
+            }
+            Output::Timer { at_ns: due, timer } => {
+                self.push(due.max(at_ns), Hold::Own, Input::Timer(timer))?
+            }
             Output::StartTransfer { handoff, missing_tokens, .. } => {
                 let done = at_ns.saturating_add(self.transfer.transfer_ns(missing_tokens as u64));
                 self.push(done, Hold::Own, Input::TransferDone(handoff))?;
@@ -651,17 +676,23 @@ impl Worker {
     fn open_peer_link(&self, address: PeerAddress) -> mpsc::Sender<Frame> {
         let (tx, rx) = mpsc::channel(LINK_QUEUE_FRAMES);
         let events = self.events_in.clone();
-        let hello = FrameBody::PeerHello { run_id: self.run_id, worker: self.id, generation: self.node.generation() };
+        let hello =
+            FrameBody::PeerHello { run_id: self.run_id, worker: self.id, generation: self.node.generation() };
         let heartbeat = self.timing.heartbeat_wall();
         tokio::spawn(async move {
             let peer = address.worker;
             let generation = address.generation;
             let gone = move |why: String| LinkEvent::PeerGone { peer, generation, why };
-            let connected = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(&address.address)).await;
+            let connected =
+                tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(&address.address)).await;
             let stream = match connected {
                 Ok(Ok(s)) => s,
-                Ok(Err(e)) => return drop(events.send(gone(format!("connecting to {}: {e}", address.address)))),
-                Err(_) => return drop(events.send(gone(format!("connecting to {} timed out", address.address)))),
+                Ok(Err(e)) => {
+                    return drop(events.send(gone(format!("connecting to {}: {e}", address.address))))
+                }
+                Err(_) => {
+                    return drop(events.send(gone(format!("connecting to {} timed out", address.address))))
+                }
             };
             let _ = stream.set_nodelay(true);
             let mut link = Framed::new(stream, LinkCodec::default());
@@ -698,7 +729,10 @@ impl Worker {
         self.summary.cpu_ms = process_cpu_ms();
         let summary = self.summary.clone();
         if let Some(why) = why {
-            return Err(LiveError::Link { peer: "frontend".into(), what: format!("{why}; the stream is closed") });
+            return Err(LiveError::Link {
+                peer: "frontend".into(),
+                what: format!("{why}; the stream is closed"),
+            });
         }
         self.send_frontend(FrameBody::Bye { summary: summary.clone() });
         Ok(Some(summary))
@@ -711,9 +745,9 @@ impl Worker {
             .map(|(h, r, s)| format!("{}: source of handoff {h} (request {}) is {s:?}", self.id, r.0))
             .collect();
         out.extend(
-            self.node
-                .destination_roles()
-                .map(|(h, r, s)| format!("{}: destination of handoff {h} (request {}) is {s:?}", self.id, r.0)),
+            self.node.destination_roles().map(|(h, r, s)| {
+                format!("{}: destination of handoff {h} (request {}) is {s:?}", self.id, r.0)
+            }),
         );
         if out.is_empty() {
             out.push(format!("{}: the engine still holds {}", self.id, self.node.core().snapshot()));
@@ -737,7 +771,12 @@ fn ends_something(fact: &Fact) -> bool {
 }
 
 /// Accepts peers' connections: each must introduce itself for this run within a few seconds.
-fn spawn_accept(listener: TcpListener, run_id: uuid::Uuid, timing: LiveTiming, events: SyncSender<LinkEvent>) {
+fn spawn_accept(
+    listener: TcpListener,
+    run_id: uuid::Uuid,
+    timing: LiveTiming,
+    events: SyncSender<LinkEvent>,
+) {
     tokio::spawn(async move {
         loop {
             let Ok((stream, address)) = listener.accept().await else { continue };
@@ -748,7 +787,9 @@ fn spawn_accept(listener: TcpListener, run_id: uuid::Uuid, timing: LiveTiming, e
                 let mut link = Framed::new(stream, LinkCodec::default());
                 let hello = link::next_frame(&mut link, Duration::from_secs(5), &peer).await;
                 let (worker, generation) = match hello {
-                    Ok(Frame { body: FrameBody::PeerHello { run_id: r, worker, generation }, .. }) if r == run_id => {
+                    Ok(Frame { body: FrameBody::PeerHello { run_id: r, worker, generation }, .. })
+                        if r == run_id =>
+                    {
                         (worker, generation)
                     }
                     Ok(Frame { body: FrameBody::PeerHello { run_id: r, worker, .. }, .. }) => {
@@ -770,7 +811,11 @@ fn spawn_accept(listener: TcpListener, run_id: uuid::Uuid, timing: LiveTiming, e
                     timing.silence_limit(),
                     events,
                     move |frame| LinkEvent::Peer { from: worker, generation, frame },
-                    move |why| LinkEvent::PeerGone { peer: worker, generation, why: format!("{peer}: {why}") },
+                    move |why| LinkEvent::PeerGone {
+                        peer: worker,
+                        generation,
+                        why: format!("{peer}: {why}"),
+                    },
                 );
                 let _ = done.await;
             });
@@ -785,7 +830,8 @@ fn spawn_signals(events: SyncSender<LinkEvent>) {
         #[cfg(unix)]
         {
             use tokio::signal::unix::{signal, SignalKind};
-            let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+            let (Ok(mut term), Ok(mut int)) =
+                (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
             else {
                 return;
             };

@@ -151,7 +151,9 @@ impl RoleProgress {
             Fact::SourcePinned { .. } => self.pinned = true,
             Fact::SourceReleased { .. } => self.ended = true,
             Fact::ReservationQueued { .. } | Fact::DestinationReserved { .. } => self.waiting = true,
-            Fact::ReservationDequeued { .. } | Fact::ReservationReleased { .. } | Fact::DestinationActivated { .. } => {
+            Fact::ReservationDequeued { .. }
+            | Fact::ReservationReleased { .. }
+            | Fact::DestinationActivated { .. } => {
                 self.waiting = false;
                 if !self.is_source {
                     self.ended = true;
@@ -184,6 +186,22 @@ pub(super) struct FinishedHandoff {
     sig: HandoffSignature,
     pin_ns: Option<u64>,
     trail: Trail,
+}
+
+/// A handoff role's KV move as compared: which classes the handoff's blocks left or entered.
+/// Returned blocks count as one class (cached or free): which of the two a block lands in
+/// depends on what else the prefix cache holds at that moment, which in a live run depends
+/// on the order nearby instants were handled.
+fn held_moves(fact: &str, d: &crate::model::KvDelta) -> String {
+    format!(
+        "{fact} active{:+} pinned{:+} reserved{:+} returned{:+} slots{:+} headroom{:+}",
+        d.active,
+        d.pinned_source,
+        d.reserved_destination,
+        d.cached_free + d.free,
+        d.slots,
+        d.headroom_tokens
+    )
 }
 
 /// Where a finished handoff or request was last seen: its last record and the references of
@@ -228,6 +246,11 @@ struct OpenRequest {
     attempts: u32,
     handoffs: Vec<HandoffId>,
     bookings: Vec<String>,
+    /// Bookings taken and not yet freed: a request is compared once it ended and every
+    /// booking it took was freed (the pin's booking may be freed after the request ended).
+    open_bookings: i32,
+    /// The router's terminal fact, once seen.
+    terminal: Option<(TerminalStatus, u32, u64)>,
     ring: VecDeque<RecordRef>,
     last: Option<Location>,
     last_ref: Option<RecordRef>,
@@ -263,6 +286,10 @@ pub(super) struct EntitySide {
     fresh_requests: Vec<(RequestId, FinishedRequest)>,
     pub(super) records: u64,
     pub(super) ended: bool,
+    /// Compare each handoff role's KV moves block for block. Off when a wall-clock run meets a
+    /// virtual one: a pin's blocks shared with another request's prefix return with the last
+    /// holder, and which holder is last depends on the order nearby instants were handled.
+    pub(super) compare_kv_moves: bool,
 }
 
 impl EntitySide {
@@ -297,6 +324,7 @@ impl EntitySide {
             fresh_requests: Vec::new(),
             records: 0,
             ended: false,
+            compare_kv_moves: true,
         })
     }
 
@@ -330,14 +358,20 @@ impl EntitySide {
                     Fact::PrefillBooked { worker: w, .. } => {
                         e.prefill_workers.push(*w);
                         e.bookings.push(super::sequences::fact_text(&rec.fact));
+                        e.open_bookings += 1;
                     }
                     Fact::DecodeBooked { worker: w, .. } => {
                         e.decode_workers.push(*w);
                         e.bookings.push(super::sequences::fact_text(&rec.fact));
+                        e.open_bookings += 1;
                     }
-                    Fact::PrefillComputeDone { .. }
-                    | Fact::PrefillBookingFreed { .. }
-                    | Fact::DecodeBookingFreed { .. } => e.bookings.push(super::sequences::fact_text(&rec.fact)),
+                    Fact::PrefillBookingFreed { .. } | Fact::DecodeBookingFreed { .. } => {
+                        e.bookings.push(super::sequences::fact_text(&rec.fact));
+                        e.open_bookings -= 1;
+                    }
+                    Fact::PrefillComputeDone { .. } => {
+                        e.bookings.push(super::sequences::fact_text(&rec.fact))
+                    }
 
                     Fact::FirstTokenEmitted { .. }
                         if matches!(worker.role, Role::Decode | Role::Aggregated) =>
@@ -361,7 +395,7 @@ impl EntitySide {
                     p.observe(&rec.fact);
                     let delta = rec.fact.kv_delta();
                     if delta != crate::model::KvDelta::ZERO {
-                        let text = format!("{} {delta}", rec.fact.name());
+                        let text = held_moves(rec.fact.name(), &delta);
                         if p.is_source {
                             o.source_kv.push(text);
                         } else {
@@ -400,8 +434,19 @@ impl EntitySide {
         if let Fact::RequestFinished { request, status, output_tokens, .. } = &rec.fact {
             let terminal = worker.role == Role::Router || !self.has_router;
             if terminal && !self.finished_requests.contains(request) {
-                if let Some(e) = self.open_requests.remove(request) {
-                    self.finish_request(*request, e, Some(*status), Some(*output_tokens), Some(rec.at_ns));
+                if let Some(e) = self.open_requests.get_mut(request) {
+                    e.terminal.get_or_insert((*status, *output_tokens, rec.at_ns));
+                }
+            }
+        }
+        // A request ended at the router and every booking it took was freed: it is compared.
+        if let Some(req) = rec.fact.request() {
+            let settled =
+                self.open_requests.get(&req).is_some_and(|e| e.terminal.is_some() && e.open_bookings <= 0);
+            if settled {
+                if let Some(e) = self.open_requests.remove(&req) {
+                    let (status, tokens, at) = e.terminal.unwrap_or((TerminalStatus::Failed, 0, 0));
+                    self.finish_request(req, e, Some(status), Some(tokens), Some(at));
                 }
             }
         }
@@ -488,7 +533,14 @@ impl EntitySide {
         self.fresh_handoffs.push((
             key,
             FinishedHandoff {
-                sig: HandoffSignature::of(&e, &o),
+                sig: {
+                    let mut sig = HandoffSignature::of(&e, &o);
+                    if !self.compare_kv_moves {
+                        sig.source_kv.clear();
+                        sig.destination_kv.clear();
+                    }
+                    sig
+                },
                 pin_ns,
                 trail: Trail { last: o.last, ring: o.ring.into_iter().collect(), last_ref: o.last_ref },
             },

@@ -179,7 +179,7 @@ fn relaxed_kinds(a: &RunLayout, b: &RunLayout) -> BTreeMap<DiffKind, String> {
     if clock(a) != clock(b) {
         out.insert(
             DiffKind::CapacitySequence,
-            "a wall-clock run interleaves one worker's KV moves of nearby instants as its inputs arrived; each handoff's KV moves are compared per role instead (handoff-sequence)".to_string(),
+            "a wall-clock run interleaves one worker's KV moves of nearby instants as its inputs arrived (and a pin's blocks shared with another request's prefix return with whichever holder ends last); each handoff's milestones, blocks pinned and pages reserved are compared per role instead (handoff-sequence), and every worker must end drained (final-state)".to_string(),
         );
         out.insert(
             DiffKind::BookingSequence,
@@ -207,6 +207,9 @@ fn compare_all(
     let c = findings.opts.context_records;
     let mut a = EntitySide::open(la, &workers, c * 2 + 1, c)?;
     let mut b = EntitySide::open(lb, &workers, c * 2 + 1, c)?;
+    let same_clock = la.headers.first().map(|h| h.clock) == lb.headers.first().map(|h| h.clock);
+    a.compare_kv_moves = same_clock;
+    b.compare_kv_moves = same_clock;
     let mut cmps: Vec<WorkerComparison> = workers
         .iter()
         .map(|w| WorkerComparison {

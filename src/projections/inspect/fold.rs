@@ -6,6 +6,7 @@
 use super::bookings::BookingWatch;
 use super::cascade::{CascadeWatch, PrefillAdmission};
 use super::longest_pinned::TopPin;
+use super::lost::LossWatch;
 use super::report::{Bookings, GatingWorker, InspectReport, PeakAt, RunInfo, WorkerInfo, WorkerPeaks};
 use super::wait_breakdown::HandoffWatch;
 use super::InspectOptions;
@@ -120,6 +121,8 @@ pub struct InspectFold {
     cascade: CascadeWatch,
     /// Per-handoff milestones while unfinished, and what finished ones add up to.
     handoffs: HandoffWatch,
+    /// What workers that stopped mid-run left their peers and the router to end.
+    pub(super) losses: LossWatch,
 }
 
 impl InspectFold {
@@ -138,6 +141,7 @@ impl InspectFold {
             records: 0,
             cascade: CascadeWatch::default(),
             handoffs: HandoffWatch::new(opts.top_n),
+            losses: LossWatch::default(),
         }
     }
 
@@ -215,6 +219,7 @@ impl InspectFold {
                 _ => {}
             }
         }
+        self.losses.apply(worker, at, &rec.fact);
         self.cascade.count_reservation(worker, &rec.fact);
         if let Some(w) = booked_worker(&rec.fact) {
             self.bookings
@@ -333,6 +338,7 @@ impl InspectFold {
                 divergences,
                 divergences_not_shown: divergences_dropped,
             },
+            workers_lost: Vec::new(),
             unended: Vec::new(),
         };
         (report, top)

@@ -102,6 +102,7 @@ mod bookings;
 mod cascade;
 mod fold;
 mod longest_pinned;
+mod lost;
 mod report;
 mod wait_breakdown;
 
@@ -183,8 +184,11 @@ pub fn inspect_run(
         }
     }
     progress(n);
+    let losses = std::mem::take(&mut fold.losses);
     let (mut report, top) = fold.finish();
     report.unended = run.unended();
+    let end_ns = (report.run.last_at_ms * 1e6) as u64;
+    report.workers_lost = losses.report(&report.unended, end_ns);
     if top.is_empty() {
         return Ok(report);
     }

@@ -272,8 +272,23 @@ pub struct InspectReport {
     pub longest_pinned: Vec<PinnedHandoff>,
     pub wait_breakdown: WaitBreakdown,
     pub bookings: Bookings,
+    /// Workers whose stream stopped without its end marker while the others went on.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub workers_lost: Vec<WorkerLoss>,
     /// Workers whose stream lacks the end marker (the run did not end cleanly). Not in the
     /// JSON: the command says it on stderr.
     #[serde(skip)]
     pub unended: Vec<WorkerId>,
+}
+
+/// A worker whose stream stopped mid-run (see `lost`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct WorkerLoss {
+    pub worker: WorkerId,
+    pub stopped_at_ms: f64,
+    /// Handoff roles its peers ended on their own because it was gone (`PeerLost`).
+    pub peer_roles_ended: u64,
+    pub by_peer: Vec<(String, u64)>,
+    /// Requests placed on it that failed.
+    pub failed_requests: u64,
 }

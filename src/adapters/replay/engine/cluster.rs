@@ -116,7 +116,14 @@ impl Replay<'_> {
                 shape.block_size, self.block_size
             )));
         }
-        self.sink.add_stream(header(self.run_id, w, &self.cfg, self.policy, shape, crate::ids::ClockDomain::Virtual));
+        self.sink.add_stream(header(
+            self.run_id,
+            w,
+            &self.cfg,
+            self.policy,
+            shape,
+            crate::ids::ClockDomain::Virtual,
+        ));
         let s = self.nodes.len();
         self.nodes.push(WorkerNode::new(w, core, node_config(&self.cfg, self.policy)));
         self.members.push(Member::default());

@@ -237,7 +237,8 @@ impl<'a> Replay<'a> {
         let run_id = identity::run_id(options.trace.as_ref(), &cfg);
         let description = identity::describe(options.trace.as_ref(), &cfg);
         let workers = starting_workers(&cfg);
-        let (nodes, mut headers, block_size) = engine_nodes(&workers, &cfg, run_id, policy, ClockDomain::Virtual)?;
+        let (nodes, mut headers, block_size) =
+            engine_nodes(&workers, &cfg, run_id, policy, ClockDomain::Virtual)?;
         let contention = contention_model(&cfg, &workers)?;
         // The router has no engine: its header's free-text config says what was run (trace,
         // shape, routers, config digest), which `compare` shows.
@@ -375,7 +376,13 @@ pub fn build_frontend(
         block_size,
         latency_samples: cfg.planner.is_some(),
     };
-    Ok(Frontend::new(frontend_config, prefill_router, decode_router, mint, Box::new(PromptLink(cfg.transfer))))
+    Ok(Frontend::new(
+        frontend_config,
+        prefill_router,
+        decode_router,
+        mint,
+        Box::new(PromptLink(cfg.transfer)),
+    ))
 }
 
 /// The workers a run starts with, in slot order: prefill then decode, or the aggregated ones.
@@ -548,13 +555,5 @@ pub fn header(
     engine: EngineShape,
     clock: ClockDomain,
 ) -> StreamHeader {
-    StreamHeader {
-        run_id,
-        worker,
-        backend: cfg.backend,
-        policy,
-        clock,
-        seed: cfg.seed,
-        engine,
-    }
+    StreamHeader { run_id, worker, backend: cfg.backend, policy, clock, seed: cfg.seed, engine }
 }
