@@ -102,19 +102,21 @@ impl LiveTiming {
         LiveTiming {
             time_scale,
             // A worker's report leaves once its own hold (2 ms) has passed and reaches the
-            // frontend a loopback hop later; the frontend holds reports and arrivals 2 ms
-            // longer, so the reports of one instant are all in and taken in order. What the
-            // frontend relays then reaches a busy worker about 2 ms plus two hops after the
-            // worker's own events of that instant; a step start waits 4.6 ms, so such an input
-            // still makes the batch it would have made in replay. The start's hold must stay
-            // close to the reports' (within a step's wall duration): a step ends no earlier
-            // than its start was handled, and its reports must still reach the frontend inside
-            // their hold. See docs/live.md for what this buys and what it cannot.
+            // frontend a loopback hop later; the frontend holds reports and arrivals 4 ms
+            // longer, so the reports of one instant are all in and taken in order even when a
+            // loaded machine delays a process by several milliseconds. What the frontend
+            // relays then reaches a busy worker about 4 ms plus two hops after the worker's
+            // own events of its instant, so it is handled late (its facts stamped later); a
+            // step start waits just longer than the reports' hold, so such an input still
+            // makes the batch it would have made in replay. The start's hold must stay close
+            // to the reports' (within a step's wall duration): a step ends no earlier than its
+            // start was handled, and its reports must still reach the frontend inside their
+            // hold. See docs/live.md for what this buys and what it cannot.
             event_hold_us: 2_000,
-            step_hold_us: 4_600,
+            step_hold_us: 6_600,
             gather_us: 200,
-            arrival_hold_us: 4_000,
-            report_hold_us: 4_000,
+            arrival_hold_us: 6_000,
+            report_hold_us: 6_000,
             heartbeat_ms: 5_000,
         }
     }
