@@ -249,8 +249,9 @@ struct OpenRequest {
     /// Bookings taken and not yet freed: a request is compared once it ended and every
     /// booking it took was freed (the pin's booking may be freed after the request ended).
     open_bookings: i32,
-    /// The router's terminal fact, once seen.
+    /// The router's terminal fact, once seen, and where (a difference is shown there).
     terminal: Option<(TerminalStatus, u32, u64)>,
+    terminal_at: Option<(Location, RecordRef)>,
     ring: VecDeque<RecordRef>,
     last: Option<Location>,
     last_ref: Option<RecordRef>,
@@ -436,6 +437,7 @@ impl EntitySide {
             if terminal && !self.finished_requests.contains(request) {
                 if let Some(e) = self.open_requests.get_mut(request) {
                     e.terminal.get_or_insert((*status, *output_tokens, rec.at_ns));
+                    e.terminal_at.get_or_insert((loc.clone(), r));
                 }
             }
         }
@@ -484,7 +486,10 @@ impl EntitySide {
                 (Some(a), Some(t), Some(TerminalStatus::Completed)) => Some(t.saturating_sub(a)),
                 _ => None,
             },
-            trail: Trail { last: e.last, ring: e.ring.into_iter().collect(), last_ref: e.last_ref },
+            trail: match e.terminal_at {
+                Some((at, r)) => Trail { last: Some(at), ring: e.ring.into_iter().collect(), last_ref: Some(r) },
+                None => Trail { last: e.last, ring: e.ring.into_iter().collect(), last_ref: e.last_ref },
+            },
         };
         self.fresh_requests.push((request, done));
         for h in e.handoffs {

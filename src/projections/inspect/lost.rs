@@ -51,9 +51,14 @@ impl LossWatch {
         }
     }
 
-    /// One entry per worker in `unended` whose stream stopped before the run's end.
-    pub(super) fn report(&self, unended: &[WorkerId], end_ns: u64) -> Vec<WorkerLoss> {
+    /// One entry per worker in `unended` whose stream stopped before the run's end, when some
+    /// other stream did end cleanly (in a log from before end markers every stream lacks one,
+    /// and an idle worker's stream simply ends early).
+    pub(super) fn report(&self, unended: &[WorkerId], streams: usize, end_ns: u64) -> Vec<WorkerLoss> {
         let mut out = Vec::new();
+        if unended.len() >= streams {
+            return out;
+        }
         for w in unended.iter().filter(|w| w.role != Role::Router) {
             let stopped = self.last_ns.get(w).copied().unwrap_or(0);
             if stopped >= end_ns {

@@ -188,7 +188,7 @@ pub fn inspect_run(
     let (mut report, top) = fold.finish();
     report.unended = run.unended();
     let end_ns = (report.run.last_at_ms * 1e6) as u64;
-    report.workers_lost = losses.report(&report.unended, end_ns);
+    report.workers_lost = losses.report(&report.unended, run.headers().len(), end_ns);
     if top.is_empty() {
         return Ok(report);
     }
