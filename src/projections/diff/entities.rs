@@ -487,7 +487,9 @@ impl EntitySide {
                 _ => None,
             },
             trail: match e.terminal_at {
-                Some((at, r)) => Trail { last: Some(at), ring: e.ring.into_iter().collect(), last_ref: Some(r) },
+                Some((at, r)) => {
+                    Trail { last: Some(at), ring: e.ring.into_iter().collect(), last_ref: Some(r) }
+                }
                 None => Trail { last: e.last, ring: e.ring.into_iter().collect(), last_ref: e.last_ref },
             },
         };
