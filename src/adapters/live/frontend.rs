@@ -25,7 +25,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::BufWriter;
 use std::path::PathBuf;
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -215,9 +215,6 @@ fn reachable(listen: &str, from: &std::net::SocketAddr) -> String {
 }
 
 struct FrontendRun {
-    cfg: ReplayConfig,
-    run_id: uuid::Uuid,
-    description_json: String,
     frontend: Frontend,
     workload: Workload,
     clock: ModelClock,
@@ -266,9 +263,6 @@ impl FrontendRun {
         }
         spawn_interrupt(events_in);
         Ok(FrontendRun {
-            cfg: setup.cfg,
-            run_id: setup.run_id,
-            description_json: setup.description.to_json(),
             frontend,
             workload: setup.workload,
             clock,
@@ -289,22 +283,14 @@ impl FrontendRun {
     }
 
     fn run(&mut self) -> Result<FrontendOutcome, LiveError> {
-        let _ = (&self.cfg, self.run_id, &self.description_json);
         let mut out = FrontendReady::default();
         self.frontend.start(&mut out);
         self.carry_out(0, out)?;
         self.arm_arrival()?;
+        let mut arrived = Vec::new();
         loop {
-            let now = Instant::now();
-            let wait = self.schedule.next_release().map_or(FLUSH_EVERY, |r| r.saturating_duration_since(now));
-            match self.events.recv_timeout(wait.min(FLUSH_EVERY)) {
-                Ok(e) => self.on_link_event(e)?,
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(LiveError::Runtime("every link task ended".into()))
-                }
-            }
-            while let Ok(e) = self.events.try_recv() {
+            link::gather(&self.events, self.schedule.next_release(), FLUSH_EVERY, &mut arrived)?;
+            for e in arrived.drain(..) {
                 self.on_link_event(e)?;
             }
             self.handle_released()?;

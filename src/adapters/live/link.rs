@@ -10,7 +10,7 @@
 use super::wire::{Frame, FrameBody, LinkCodec};
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
-use std::sync::mpsc::SyncSender;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender};
 use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -106,4 +106,28 @@ pub async fn send_frame(link: &mut Link, body: FrameBody, peer: &str) -> Result<
     link.send(Frame::new(body))
         .await
         .map_err(|e| super::LiveError::Link { peer: peer.to_string(), what: format!("sending failed: {e}") })
+}
+
+/// A process loop's wait: the next event from its links, or nothing once the schedule's head
+/// is due (`next_release`) or `at_most` has passed; then whatever else has already arrived,
+/// so that all of it is queued before anything released is handled. Appends to `into`.
+pub fn gather<E>(
+    events: &Receiver<E>,
+    next_release: Option<std::time::Instant>,
+    at_most: Duration,
+    into: &mut Vec<E>,
+) -> Result<(), super::LiveError> {
+    let now = std::time::Instant::now();
+    let wait = next_release.map_or(at_most, |r| r.saturating_duration_since(now)).min(at_most);
+    match events.recv_timeout(wait) {
+        Ok(e) => into.push(e),
+        Err(RecvTimeoutError::Timeout) => {}
+        Err(RecvTimeoutError::Disconnected) => {
+            return Err(super::LiveError::Runtime("every link task ended".into()))
+        }
+    }
+    while let Ok(e) = events.try_recv() {
+        into.push(e);
+    }
+    Ok(())
 }

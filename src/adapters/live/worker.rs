@@ -32,7 +32,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::BufWriter;
 use std::path::PathBuf;
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
@@ -329,18 +329,10 @@ impl Worker {
         self.node.start(&mut ready);
         self.carry_out(0, ready)?;
         self.send_frontend(FrameBody::Ready);
+        let mut arrived = Vec::new();
         loop {
-            let now = Instant::now();
-            let wait = self.schedule.next_release().map_or(FLUSH_EVERY, |r| r.saturating_duration_since(now));
-            match self.events.recv_timeout(wait.min(FLUSH_EVERY)) {
-                Ok(e) => self.on_link_event(e)?,
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(LiveError::Runtime("every link task ended".into()))
-                }
-            }
-            // Whatever else already arrived is queued before anything released is handled.
-            while let Ok(e) = self.events.try_recv() {
+            link::gather(&self.events, self.schedule.next_release(), FLUSH_EVERY, &mut arrived)?;
+            for e in arrived.drain(..) {
                 self.on_link_event(e)?;
             }
             self.handle_released()?;
