@@ -398,3 +398,66 @@ fn closing_a_connection_mid_transfer_ends_both_sides() {
     }
     assert!(peer_lost >= 2, "both sides of a cut handoff end it themselves: {peer_lost}");
 }
+
+/// The frontend alone (`--external-workers`), and workers started by hand listening on every
+/// interface, as on two hosts: the run goes as a launched one does and matches its replay.
+#[test]
+fn workers_started_by_hand_join_a_frontend_started_alone() {
+    let _turn = turn();
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    let args = [
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--backend",
+        "sglang",
+        "--listen",
+        "127.0.0.1:0",
+        "--external-workers",
+    ];
+    let mut child = start_live("traces/mooncake-200.jsonl", &args, &out, "0.02");
+    let until = Instant::now() + Duration::from_secs(20);
+    let address = loop {
+        let err = stderr_of(&out);
+        if let Some(rest) = err.split("frontend listening on ").nth(1) {
+            break rest.split(';').next().unwrap().to_string();
+        }
+        assert!(Instant::now() < until, "the frontend never said where it listens: {err}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut workers: Vec<Child> = [("prefill", "0"), ("decode", "0")]
+        .iter()
+        .map(|(role, index)| {
+            Command::new(bin())
+                .args([
+                    "worker",
+                    "--role",
+                    role,
+                    "--index",
+                    index,
+                    "--frontend",
+                    &address,
+                    "--listen",
+                    "0.0.0.0:0",
+                ])
+                .arg("--out")
+                .arg(&out)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let status = wait(&mut child, Duration::from_secs(60), "live with external workers");
+    for w in &mut workers {
+        assert!(wait(w, Duration::from_secs(20), "a worker started by hand").success());
+    }
+    assert!(status.success(), "live exited {status}\n{}", stderr_of(&out));
+    let rep = t.path().join("replay");
+    replay("traces/mooncake-200.jsonl", &args[..6], &rep);
+    let (code, text) = diff(&out, &rep);
+    assert_eq!(code, 0, "{text}");
+}
