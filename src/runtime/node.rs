@@ -306,6 +306,14 @@ impl WorkerNode {
         self.sources.contains_key(&handoff) || self.destinations.contains_key(&handoff)
     }
 
+    /// The handoffs with a role here whose other role is on `peer` (as the role machines know
+    /// their peer: named at the start, or learnt from its first message).
+    pub fn handoffs_with(&self, peer: WorkerId) -> Vec<HandoffId> {
+        let sources = self.sources.iter().filter(|(_, r)| r.machine.peer() == Some(peer));
+        let destinations = self.destinations.iter().filter(|(_, r)| r.machine.peer() == Some(peer));
+        sources.map(|(h, _)| *h).chain(destinations.map(|(h, _)| *h)).collect()
+    }
+
     /// Every source role here: handoff, request, state.
     pub fn source_roles(&self) -> impl Iterator<Item = (HandoffId, RequestId, &SourceState)> {
         self.sources.iter().map(|(h, r)| (*h, r.request.id, r.machine.state()))

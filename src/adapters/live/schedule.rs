@@ -55,14 +55,6 @@ impl LagStats {
             self.lag_sum_us as f64 / self.handled as f64
         }
     }
-
-    pub fn merge(&mut self, other: &LagStats) {
-        self.handled += other.handled;
-        self.late += other.late;
-        self.max_late_ns = self.max_late_ns.max(other.max_late_ns);
-        self.lag_sum_us += other.lag_sum_us;
-        self.max_lag_us = self.max_lag_us.max(other.max_lag_us);
-    }
 }
 
 /// The queue is full: the process is far behind (a bug or an overloaded machine); the run
@@ -185,11 +177,6 @@ impl<T> Schedule<T> {
 
     pub fn is_empty(&self) -> bool {
         self.items.is_empty()
-    }
-
-    /// Drops every queued input `keep` refuses.
-    pub fn retain(&mut self, mut keep: impl FnMut(&T) -> bool) {
-        self.items.retain(|_, (_, _, item)| keep(item));
     }
 }
 

@@ -206,7 +206,7 @@ enum LinkEvent {
 /// One input in the schedule.
 enum Input {
     FromFrontend(ToWorker),
-    FromPeer { from: WorkerId, message: HandoffMessage },
+    FromPeer { message: HandoffMessage },
     Command(DeferredCommand),
     Timer(NodeTimer),
     TransferDone(HandoffId),
@@ -236,8 +236,6 @@ struct Worker {
     /// The frontend link's writer: awaited at the end so the goodbye is on the wire.
     frontend_writer: Option<tokio::task::JoinHandle<()>>,
     peers: PeerLinks,
-    /// The peer of each handoff with a role here.
-    peer_of: BTreeMap<HandoffId, WorkerId>,
     /// The newest session known of each peer.
     generations: BTreeMap<WorkerId, Generation>,
     step_queued: bool,
@@ -312,7 +310,6 @@ impl Worker {
             to_frontend: Some(to_frontend),
             frontend_writer: Some(frontend_writer),
             peers: PeerLinks { book: BTreeMap::new(), links: BTreeMap::new() },
-            peer_of: BTreeMap::new(),
             generations: BTreeMap::new(),
             step_queued: false,
             flush_due: false,
@@ -471,7 +468,7 @@ impl Worker {
             return self.carry_out(at, ready);
         }
         self.note_generation(from, envelope.generation);
-        self.push(at_ns, Hold::Message, Input::FromPeer { from, message })
+        self.push(at_ns, Hold::Message, Input::FromPeer { message })
     }
 
     fn note_generation(&mut self, worker: WorkerId, generation: Generation) {
@@ -512,40 +509,20 @@ impl Worker {
     fn handle(&mut self, at_ns: u64, input: Input) -> Result<(), LiveError> {
         let mut ready = Ready::default();
         match input {
-            Input::FromFrontend(m) => {
-                self.note_peer_of(&m);
-                self.node.on_frontend(at_ns, m, &mut ready)?;
-            }
-            Input::FromPeer { from, message } => {
-                self.peer_of.entry(message.handoff).or_insert(from);
-                self.node.on_peer(at_ns, message, &mut ready);
-            }
+            Input::FromFrontend(m) => self.node.on_frontend(at_ns, m, &mut ready)?,
+            Input::FromPeer { message } => self.node.on_peer(at_ns, message, &mut ready),
             Input::Command(c) => self.node.apply_command(at_ns, c, &mut ready)?,
             Input::Timer(t) => self.node.on_timer(at_ns, t, &mut ready),
             Input::TransferDone(h) => self.node.on_transfer_done(at_ns, h, None, &mut ready),
             Input::StepDone => return self.step_done(at_ns),
             Input::StepStart => return self.step_start(at_ns),
             Input::PeerLost(peer) => {
-                let lost: Vec<HandoffId> =
-                    self.peer_of.iter().filter(|(_, p)| **p == peer).map(|(h, _)| *h).collect();
-                for h in lost {
+                for h in self.node.handoffs_with(peer) {
                     self.node.on_peer_lost(at_ns, h, &mut ready);
                 }
             }
         }
         self.carry_out(at_ns, ready)
-    }
-
-    fn note_peer_of(&mut self, m: &ToWorker) {
-        match m {
-            ToWorker::StartSource { handoff, destination: Some(p), .. } => {
-                self.peer_of.insert(*handoff, p.worker);
-            }
-            ToWorker::StartDestination { handoff, source, .. } => {
-                self.peer_of.insert(*handoff, source.worker);
-            }
-            _ => {}
-        }
     }
 
     fn step_done(&mut self, at_ns: u64) -> Result<(), LiveError> {

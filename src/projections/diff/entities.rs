@@ -45,9 +45,10 @@ struct HandoffSignature {
     source_end: Option<EndReason>,
     reservation_end: Option<EndReason>,
     canceled: Option<CancelReason>,
-    /// Each role's KV moves, in its own stream's order: taken and returned exactly once.
-    source_kv: Vec<String>,
-    destination_kv: Vec<String>,
+    /// Each role's KV moves (fact, delta), in its own stream's order: taken and returned
+    /// exactly once. Empty unless both runs share a clock domain (see `compare_kv_moves`).
+    source_kv: Vec<(&'static str, crate::model::KvDelta)>,
+    destination_kv: Vec<(&'static str, crate::model::KvDelta)>,
 }
 
 impl HandoffSignature {
@@ -93,8 +94,17 @@ impl HandoffSignature {
         field!(source_end);
         field!(reservation_end);
         field!(canceled);
-        field!(source_kv);
-        field!(destination_kv);
+        let moves = |m: &[(&str, crate::model::KvDelta)]| {
+            m.iter().map(|(fact, d)| format!("{fact} {d}")).collect::<Vec<_>>().join(", ")
+        };
+        for (name, a, b) in [
+            ("source KV moves", &self.source_kv, &o.source_kv),
+            ("destination KV moves", &self.destination_kv, &o.destination_kv),
+        ] {
+            if a != b {
+                out.push(format!("{name} A [{}] vs B [{}]", moves(a), moves(b)));
+            }
+        }
         out.join("; ")
     }
 }
@@ -175,8 +185,8 @@ struct OpenHandoff {
     attempt: Option<u32>,
     request_finished: bool,
     roles: Vec<RoleProgress>,
-    source_kv: Vec<String>,
-    destination_kv: Vec<String>,
+    source_kv: Vec<(&'static str, crate::model::KvDelta)>,
+    destination_kv: Vec<(&'static str, crate::model::KvDelta)>,
     ring: VecDeque<RecordRef>,
     last: Option<Location>,
     last_ref: Option<RecordRef>,
@@ -186,22 +196,6 @@ pub(super) struct FinishedHandoff {
     sig: HandoffSignature,
     pin_ns: Option<u64>,
     trail: Trail,
-}
-
-/// A handoff role's KV move as compared: which classes the handoff's blocks left or entered.
-/// Returned blocks count as one class (cached or free): which of the two a block lands in
-/// depends on what else the prefix cache holds at that moment, which in a live run depends
-/// on the order nearby instants were handled.
-fn held_moves(fact: &str, d: &crate::model::KvDelta) -> String {
-    format!(
-        "{fact} active{:+} pinned{:+} reserved{:+} returned{:+} slots{:+} headroom{:+}",
-        d.active,
-        d.pinned_source,
-        d.reserved_destination,
-        d.cached_free + d.free,
-        d.slots,
-        d.headroom_tokens
-    )
 }
 
 /// Where a finished handoff or request was last seen: its last record and the references of
@@ -395,13 +389,9 @@ impl EntitySide {
                 if let Some(p) = o.roles.iter_mut().find(|p| p.stream == i) {
                     p.observe(&rec.fact);
                     let delta = rec.fact.kv_delta();
-                    if delta != crate::model::KvDelta::ZERO {
-                        let text = held_moves(rec.fact.name(), &delta);
-                        if p.is_source {
-                            o.source_kv.push(text);
-                        } else {
-                            o.destination_kv.push(text);
-                        }
+                    if self.compare_kv_moves && delta != crate::model::KvDelta::ZERO {
+                        let moves = if p.is_source { &mut o.source_kv } else { &mut o.destination_kv };
+                        moves.push((rec.fact.name(), delta));
                     }
                 }
                 push_ring(&mut o.ring, cap, r);
@@ -540,14 +530,7 @@ impl EntitySide {
         self.fresh_handoffs.push((
             key,
             FinishedHandoff {
-                sig: {
-                    let mut sig = HandoffSignature::of(&e, &o);
-                    if !self.compare_kv_moves {
-                        sig.source_kv.clear();
-                        sig.destination_kv.clear();
-                    }
-                    sig
-                },
+                sig: HandoffSignature::of(&e, &o),
                 pin_ns,
                 trail: Trail { last: o.last, ring: o.ring.into_iter().collect(), last_ref: o.last_ref },
             },
