@@ -3,7 +3,7 @@
 mod support;
 
 use handoff_ledger::events::{
-    codec, recover, verify_stream, Fact, LogError, Record, StreamReader, StreamWriter, TornTail,
+    codec, recover, verify_stream, Fact, LogError, LogFormat, Record, StreamReader, StreamWriter, TornTail,
 };
 use handoff_ledger::ids::{RequestId, WorkerId};
 use std::io::Cursor;
@@ -12,7 +12,8 @@ use support::log::{golden_facts, header};
 
 /// A stream of the golden facts (every variant); returns the bytes and each record's offset.
 fn sample() -> (Vec<u8>, Vec<u64>) {
-    let mut w = StreamWriter::new(Vec::new(), &header(3, WorkerId::prefill(1))).unwrap();
+    let mut w =
+        StreamWriter::with_format(Vec::new(), &header(3, WorkerId::prefill(1)), LogFormat::V1).unwrap();
     let mut offsets = Vec::new();
     for (at, f) in golden_facts() {
         offsets.push(w.bytes_written());
@@ -125,14 +126,20 @@ fn bad_magic_unknown_version_and_unknown_codec() {
     assert!(matches!(e, LogError::BadMagic { .. }), "{e}");
     assert!(e.to_string().contains("mem.hlog") && e.to_string().contains("byte offset 0"), "{e}");
 
-    let mut v2 = bytes.clone();
-    v2[8..10].copy_from_slice(&2u16.to_le_bytes());
-    match read_all(&v2).1 {
-        Err(e @ LogError::UnsupportedVersion { found: 2, supported: 1, .. }) => {
-            assert!(e.to_string().contains("unsupported format version 2"), "{e}");
+    let mut v3 = bytes.clone();
+    v3[8..10].copy_from_slice(&3u16.to_le_bytes());
+    match read_all(&v3).1 {
+        Err(e @ LogError::UnsupportedVersion { found: 3, supported: 2, .. }) => {
+            assert!(e.to_string().contains("unsupported format version 3"), "{e}");
         }
         other => panic!("{other:?}"),
     }
+    // A v1 file relabelled v2 is not read as blocks that happen to parse: its first record
+    // frame fails as a block (checksum sound, fields impossible), naming its offset.
+    let mut relabelled = bytes.clone();
+    relabelled[8..10].copy_from_slice(&2u16.to_le_bytes());
+    let e = read_all(&relabelled).1.unwrap_err();
+    assert!(matches!(e, LogError::Corrupt { .. }), "{e}");
 
     let mut c = bytes.clone();
     c[10..12].copy_from_slice(&99u16.to_le_bytes());
@@ -156,7 +163,10 @@ fn frame(seq: u64, at_ns: u64, fact_bytes: &[u8]) -> Vec<u8> {
 }
 
 fn header_only() -> Vec<u8> {
-    StreamWriter::new(Vec::new(), &header(3, WorkerId::decode(0))).unwrap().finish().unwrap()
+    StreamWriter::with_format(Vec::new(), &header(3, WorkerId::decode(0)), LogFormat::V1)
+        .unwrap()
+        .finish()
+        .unwrap()
 }
 
 fn enc(f: &Fact) -> Vec<u8> {
@@ -326,6 +336,153 @@ mod no_panic {
                 }
             }
             prop_assert!(recs.len() <= golden_facts().len() + tail.len());
+        }
+    }
+}
+
+// ----- format v2: blocks -----
+
+/// A v2 stream of the golden facts and block-hash facts, sealed into a block every `every`
+/// records (as flushes seal them); returns the bytes, the records, and where each block starts.
+fn sample_v2(every: usize) -> (Vec<u8>, Vec<Record>, Vec<u64>) {
+    let mut w =
+        StreamWriter::with_format(Vec::new(), &header(3, WorkerId::prefill(1)), LogFormat::V2).unwrap();
+    let mut facts = golden_facts();
+    for i in 0..200u64 {
+        let blocks: Vec<u64> = (0..8).map(|k| (i * 8 + k).wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+        facts.push((1_000 + i, Fact::KvStored { parent: None, blocks: blocks.clone() }));
+        if i % 3 == 0 {
+            facts.push((1_000 + i, Fact::KvRemoved { blocks: blocks.into_iter().rev().collect() }));
+        }
+    }
+    let mut starts = vec![w.bytes_written()];
+    let mut records = Vec::new();
+    for (i, (at, f)) in facts.into_iter().enumerate() {
+        w.append(at, &f).unwrap();
+        records.push(Record { seq: i as u64, at_ns: at, fact: f });
+        if (i + 1) % every == 0 {
+            w.flush().unwrap();
+            starts.push(w.bytes_written());
+        }
+    }
+    w.flush().unwrap();
+    if starts.last() != Some(&w.bytes_written()) {
+        starts.push(w.bytes_written());
+    }
+    let end = starts.pop().unwrap();
+    let bytes = w.finish().unwrap();
+    assert_eq!(end, bytes.len() as u64);
+    (bytes, records, starts)
+}
+
+#[test]
+fn v2_round_trips_across_blocks() {
+    let (bytes, records, starts) = sample_v2(37);
+    assert!(starts.len() > 5, "{} blocks", starts.len());
+    let (got, end) = read_all(&bytes);
+    assert_eq!(end.unwrap(), None);
+    assert_eq!(got, records);
+}
+
+/// Cut anywhere inside the last block: every earlier block's records come back, the torn tail
+/// starts at the last block, and recover truncates exactly there.
+#[test]
+fn v2_torn_tail_at_every_byte_of_the_last_block_is_recovered() {
+    let (bytes, records, starts) = sample_v2(37);
+    let last = *starts.last().unwrap() as usize;
+    let kept = records.len() - records.len() % 37;
+    let kept = if kept == records.len() { kept - 37 } else { kept };
+    let dir = tempfile::tempdir().unwrap();
+    for cut in last..bytes.len() {
+        let (recs, end) = read_all(&bytes[..cut]);
+        let end = end.unwrap_or_else(|e| panic!("cut at {cut}: {e}"));
+        assert_eq!(recs, records[..kept], "cut at {cut}");
+        let want = (cut > last).then_some(TornTail { offset: last as u64, bytes: (cut - last) as u64 });
+        assert_eq!(end, want, "cut at {cut}");
+        if cut % 7 == 0 {
+            let path = dir.path().join(format!("cut-{cut}.hlog"));
+            std::fs::write(&path, &bytes[..cut]).unwrap();
+            assert_eq!(recover(&path).unwrap(), want);
+            assert_eq!(std::fs::metadata(&path).unwrap().len(), last as u64);
+        }
+    }
+}
+
+/// Every byte of a middle block flipped: an error naming that block's offset (never a panic, a
+/// torn tail, or wrong records), with every record of the blocks before it read first.
+#[test]
+fn v2_a_flipped_byte_in_a_middle_block_names_its_offset() {
+    let (bytes, records, starts) = sample_v2(37);
+    let k = starts.len() / 2;
+    let (start, end) = (starts[k] as usize, starts[k + 1] as usize);
+    for pos in start..end {
+        let mut bad = bytes.clone();
+        bad[pos] ^= 0x40;
+        let (recs, outcome) = read_all(&bad);
+        let e = outcome.expect_err(&format!("byte {pos}"));
+        assert_eq!(e.offset(), Some(start as u64), "byte {pos}: {e}");
+        assert_eq!(recs, records[..37 * k], "byte {pos}");
+    }
+}
+
+/// A restarted v2 writer cuts a torn block and continues in a new epoch; readers see the
+/// records before the cut, then the new ones, with the sequence unbroken.
+#[test]
+fn v2_open_append_cuts_a_torn_block_and_continues() {
+    let (bytes, records, starts) = sample_v2(37);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("prefill-1.hlog");
+    std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
+    let (mut w, torn) = StreamWriter::open_append(&path).unwrap();
+    assert_eq!(torn.unwrap().offset, *starts.last().unwrap());
+    assert_eq!(w.format(), LogFormat::V2);
+    let kept = w.next_seq() as usize;
+    let again = Fact::KvRemoved { blocks: vec![0x9e37_79b9_7f4a_7c15, 7] };
+    assert_eq!(w.append(5_000, &again).unwrap(), kept as u64);
+    w.finish().unwrap();
+    let got: Vec<Record> = StreamReader::open(&path).unwrap().collect::<Result<_, _>>().unwrap();
+    assert_eq!(got[..kept], records[..kept]);
+    assert_eq!(got[kept], Record { seq: kept as u64, at_ns: 5_000, fact: again });
+}
+
+/// Seeking: a reader opened at any record's position (as the index and `at` open them) reads
+/// from that record on, also past several epochs of the block-hash table.
+#[test]
+fn v2_a_reader_opened_at_any_position_reads_on_from_there() {
+    use handoff_ledger::events::{LogFormat, RunLayout, SegmentReader};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("decode-0.hlog");
+    let mut w = StreamWriter::create(&path, &header(3, WorkerId::decode(0))).unwrap();
+    let mut records = Vec::new();
+    // 600k distinct hashes: over two table epochs.
+    for i in 0..6_000u64 {
+        let blocks: Vec<u64> =
+            (0..100).map(|k| (i * 100 + k + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+        let fact = if i % 4 == 3 {
+            Fact::KvRemoved { blocks: blocks[..50].to_vec() }
+        } else {
+            Fact::KvStored { parent: Some(i), blocks }
+        };
+        w.append(i, &fact).unwrap();
+        records.push(fact);
+    }
+    w.finish().unwrap();
+    let layout = RunLayout::open(&path).unwrap();
+    let seg = &layout.segments[0];
+    assert_eq!(seg.format, LogFormat::V2);
+    let mut positions = Vec::new();
+    let mut r = SegmentReader::open_at(seg, seg.start_position(), vec![0]).unwrap();
+    while r.next_record().unwrap().is_some() {
+        positions.push(r.last_record_offset().unwrap());
+    }
+    assert_eq!(positions.len(), records.len());
+    for i in [0, 1, 777, 2_999, 3_000, 4_321, 5_998, 5_999] {
+        let mut r = SegmentReader::open_at(seg, positions[i], vec![i as u64]).unwrap();
+        let (_, rec) = r.next_record().unwrap().unwrap();
+        assert_eq!((rec.seq, &rec.fact), (i as u64, &records[i]), "opened at record {i}");
+        assert_eq!(r.last_record_offset(), Some(positions[i]));
+        if let Some(next) = records.get(i + 1) {
+            assert_eq!(&r.next_record().unwrap().unwrap().1.fact, next);
         }
     }
 }

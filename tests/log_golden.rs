@@ -1,4 +1,5 @@
-//! Golden v1 files: committed bytes that this build must read unchanged and write identically.
+//! Golden files, v1 and v2: committed bytes that this build must read unchanged and write
+//! identically.
 //! A change to `Fact`, `StreamHeader`, the codec or the framing that alters the encoding fails
 //! here; such a change needs a new format version, not a regenerated golden file.
 //!
@@ -12,7 +13,7 @@
 mod support;
 
 use handoff_ledger::events::{
-    write_merged, EngineShape, Fact, KvDelta, Record, RunKind, RunReader, RunWriter, StreamHeader,
+    write_merged, EngineShape, Fact, KvDelta, LogFormat, Record, RunKind, RunReader, RunWriter, StreamHeader,
     StreamReader, StreamWriter, TerminalStatus,
 };
 use handoff_ledger::ids::{
@@ -32,7 +33,7 @@ fn regenerate() -> bool {
 }
 
 fn encode_golden_stream() -> Vec<u8> {
-    let mut w = StreamWriter::new(Vec::new(), &golden_header()).unwrap();
+    let mut w = StreamWriter::with_format(Vec::new(), &golden_header(), LogFormat::V1).unwrap();
     for (at, f) in golden_facts() {
         w.append(at, &f).unwrap();
     }
@@ -86,7 +87,7 @@ fn golden_v1_log_decodes_unchanged() {
 #[test]
 fn golden_v1_appended_variants_decode_unchanged() {
     let path = golden_dir().join("golden-appended.hlog");
-    let mut w = StreamWriter::new(Vec::new(), &golden_header()).unwrap();
+    let mut w = StreamWriter::with_format(Vec::new(), &golden_header(), LogFormat::V1).unwrap();
     for (at, f) in golden_appended_facts() {
         w.append(at, &f).unwrap();
     }
@@ -334,4 +335,121 @@ fn golden_v1_merged_run_decodes_unchanged() {
     assert_eq!(encoded.len(), committed.len(), "encoded length changed");
     let first_diff = encoded.iter().zip(&committed).position(|(a, b)| a != b);
     assert_eq!(first_diff, None, "encoding differs from the golden run at this byte offset");
+}
+
+// ----- format v2 -----
+
+fn golden_v2_dir() -> PathBuf {
+    support::fixture("golden/v2")
+}
+
+/// Every variant (both v1 lists), then block-hash facts that exercise the v2 table: a stored
+/// chain, its removal in the same and in the reverse order, a re-store, and a parent found as a
+/// reference.
+fn golden_v2_facts() -> Vec<(u64, Fact)> {
+    let mut facts = golden_facts();
+    facts.extend(golden_appended_facts());
+    let at = facts.last().map(|(at, _)| *at).unwrap_or(0);
+    let chain: Vec<u64> = (1..=20u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+    facts.push((at + 1, Fact::KvStored { parent: None, blocks: chain[..10].to_vec() }));
+    facts.push((at + 2, Fact::KvStored { parent: Some(chain[9]), blocks: chain[10..].to_vec() }));
+    facts.push((at + 3, Fact::KvRemoved { blocks: chain[12..18].to_vec() }));
+    facts.push((at + 3, Fact::KvRemoved { blocks: chain[..12].iter().rev().copied().collect() }));
+    facts.push((at + 4, Fact::KvStored { parent: None, blocks: chain[..4].to_vec() }));
+    facts.push((at, Fact::KvRemoved { blocks: vec![chain[19], chain[3], u64::MAX] }));
+    facts
+}
+
+#[test]
+fn golden_v2_log_decodes_unchanged() {
+    let path = golden_v2_dir().join("golden.hlog");
+    let mut w = StreamWriter::with_format(Vec::new(), &golden_header(), LogFormat::V2).unwrap();
+    for (at, f) in golden_v2_facts() {
+        w.append(at, &f).unwrap();
+    }
+    let encoded = w.finish().unwrap();
+    if regenerate() {
+        std::fs::create_dir_all(golden_v2_dir()).unwrap();
+        std::fs::write(&path, &encoded).unwrap();
+        eprintln!("regenerated {}", path.display());
+    }
+    let mut r = StreamReader::open(&path).unwrap_or_else(|e| {
+        panic!("{e} (regenerate with REGENERATE_GOLDEN=1 only for a new format version)")
+    });
+    assert_eq!(r.format(), LogFormat::V2);
+    assert_eq!(r.header(), &golden_header());
+    let mut got = Vec::new();
+    while let Some(rec) = r.next_record().unwrap() {
+        got.push(rec);
+    }
+    assert_eq!(r.torn_tail(), None);
+    let want: Vec<Record> = golden_v2_facts()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (at_ns, fact))| Record { seq: i as u64, at_ns, fact })
+        .collect();
+    assert_eq!(got, want);
+    let committed = std::fs::read(&path).unwrap();
+    let first_diff = encoded.iter().zip(&committed).position(|(a, b)| a != b);
+    assert_eq!((encoded.len(), first_diff), (committed.len(), None), "encoding differs from the golden file");
+    // The table made the removals and the re-store references, not hashes written again.
+    let v1 = {
+        let mut w = StreamWriter::with_format(Vec::new(), &golden_header(), LogFormat::V1).unwrap();
+        for (at, f) in golden_v2_facts() {
+            w.append(at, &f).unwrap();
+        }
+        w.finish().unwrap()
+    };
+    assert!(committed.len() * 2 < v1.len(), "v2 {} bytes, v1 {}", committed.len(), v1.len());
+}
+
+/// The golden run as a v2 directory: what replay writes today, committed so every command is
+/// tried on it (`cli_log::every_command_works_on_every_committed_run`) and its bytes are held.
+#[test]
+fn golden_v2_run_directory_decodes_unchanged() {
+    let dir = support::fixture("runs/v2-golden");
+    let streams = run_streams();
+    let tmp = tempfile::tempdir().unwrap();
+    let fresh = tmp.path().join("run");
+    let mut rw = RunWriter::create(&fresh, streams.iter().map(|(h, _)| h.clone())).unwrap();
+    for (h, recs) in &streams {
+        for (at, f) in recs {
+            rw.append(h.worker, *at, f).unwrap();
+        }
+    }
+    rw.close().unwrap();
+    if regenerate() {
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for e in std::fs::read_dir(&fresh).unwrap() {
+            let p = e.unwrap().path();
+            std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".hlog"))
+        .collect();
+    names.sort();
+    assert_eq!(names, ["decode-0.hlog", "prefill-0.hlog", "router.hlog"]);
+    for name in &names {
+        let committed = std::fs::read(dir.join(name)).unwrap();
+        let encoded = std::fs::read(fresh.join(name)).unwrap();
+        assert_eq!(committed, encoded, "{name} differs from what this build writes");
+        assert_eq!(StreamReader::open(dir.join(name)).unwrap().format(), LogFormat::V2);
+    }
+    let mut want = Vec::new();
+    let mut r = RunReader::open(golden_dir().join("golden-run.hrun")).unwrap();
+    while let Some((i, rec)) = r.next().unwrap() {
+        want.push((i, rec));
+    }
+    let mut got = Vec::new();
+    let mut d = RunReader::open(&dir).unwrap();
+    while let Some((i, rec)) = d.next().unwrap() {
+        if rec.fact != Fact::StreamEnded {
+            got.push((i, rec));
+        }
+    }
+    assert_eq!(got, want, "the v2 directory holds the v1 merged run's records");
 }

@@ -3,7 +3,7 @@
 
 mod support;
 
-use handoff_ledger::events::{codec, Fact, Record, StreamReader, StreamWriter, FORMAT_VERSION, MAGIC};
+use handoff_ledger::events::{codec, Fact, LogFormat, Record, StreamReader, StreamWriter, MAGIC};
 use handoff_ledger::ids::WorkerId;
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
@@ -12,7 +12,7 @@ use std::io::Cursor;
 use support::log::{any_header, fact, header, ordinal, FACT_VARIANTS};
 
 fn write_all(header: &handoff_ledger::events::StreamHeader, recs: &[(u64, Fact)]) -> Vec<u8> {
-    let mut w = StreamWriter::new(Vec::new(), header).expect("writer");
+    let mut w = StreamWriter::with_format(Vec::new(), header, LogFormat::V1).expect("writer");
     for (i, (at, f)) in recs.iter().enumerate() {
         assert_eq!(w.append(*at, f).expect("append"), i as u64);
     }
@@ -90,7 +90,7 @@ fn writer_output_matches_the_documented_layout() {
         want.extend_from_slice(&body);
     }
     assert_eq!(MAGIC, *b"HOFFLOG\0");
-    assert_eq!(FORMAT_VERSION, 1);
+    assert_eq!(LogFormat::V1.version(), 1);
     assert_eq!(bytes, want);
 }
 
@@ -131,7 +131,7 @@ fn open_append_continues_the_sequence() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("decode-0.hlog");
     let hdr = header(9, WorkerId::decode(0));
-    let mut w = StreamWriter::create(&path, &hdr).unwrap();
+    let mut w = StreamWriter::create_as(&path, &hdr, LogFormat::V1).unwrap();
     for i in 0..5u64 {
         w.append(i, &Fact::RequestQueued { request: handoff_ledger::ids::RequestId(i) }).unwrap();
     }

@@ -239,7 +239,11 @@ fn a_torn_stream_in_a_run_is_reported_and_recovered() {
     let ws = [WorkerId::prefill(0), WorkerId::decode(0)];
     let mut rw = RunWriter::create(tmp.path(), ws.iter().map(|w| header(1, *w))).unwrap();
     for t in 0..10u64 {
-        rw.append(ws[(t % 2) as usize], t, &Fact::RequestQueued { request: RequestId(t) }).unwrap();
+        let w = ws[(t % 2) as usize];
+        rw.append(w, t, &Fact::RequestQueued { request: RequestId(t) }).unwrap();
+        // Flushed after each record, as a live worker flushes: each v2 block holds one record,
+        // so the cut below takes only the last.
+        rw.stream(w).unwrap().flush().unwrap();
     }
     let files = rw.finish().unwrap();
     let decode = files.iter().find(|p| p.ends_with("decode-0.hlog")).unwrap().clone();

@@ -25,7 +25,7 @@ pub enum LogError {
     BadMagic { path: PathBuf, expected: String, found: String },
 
     /// The file was written by a format version this build does not read.
-    #[error("{}: unsupported format version {found} at byte offset 8 (this build reads version {supported})", path.display())]
+    #[error("{}: unsupported format version {found} at byte offset 8 (this build reads versions up to {supported})", path.display())]
     UnsupportedVersion { path: PathBuf, found: u16, supported: u16 },
 
     /// The file's bytes were encoded under a codec configuration this build does not know.

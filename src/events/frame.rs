@@ -36,13 +36,14 @@ fn printable(bytes: &[u8]) -> String {
     bytes.escape_ascii().to_string()
 }
 
-/// Reads and checks magic, version and codec id. Returns after byte 12.
+/// Reads and checks magic, version (one of `supported`) and codec id. Returns the version,
+/// after byte 12.
 pub(crate) fn read_prelude<R: Read>(
     r: &mut R,
     path: &Path,
     magic: &[u8; 8],
-    supported_version: u16,
-) -> Result<(), LogError> {
+    supported: &[u16],
+) -> Result<u16, LogError> {
     let mut pre = [0u8; PRELUDE_BYTES];
     let n = read_full(r, &mut pre).map_err(|e| LogError::io(path, e))?;
     if n == 0 {
@@ -68,11 +69,11 @@ pub(crate) fn read_prelude<R: Read>(
         });
     }
     let version = u16::from_le_bytes([pre[8], pre[9]]);
-    if version != supported_version {
+    if !supported.contains(&version) {
         return Err(LogError::UnsupportedVersion {
             path: path.into(),
             found: version,
-            supported: supported_version,
+            supported: supported.iter().max().copied().unwrap_or(0),
         });
     }
     let codec_id = u16::from_le_bytes([pre[10], pre[11]]);
@@ -83,7 +84,7 @@ pub(crate) fn read_prelude<R: Read>(
             supported: codec::CODEC_ID,
         });
     }
-    Ok(())
+    Ok(version)
 }
 
 /// Appends the prelude to `out`.

@@ -25,7 +25,7 @@ use super::codec;
 use super::error::LogError;
 use super::layout::fixed8;
 use super::layout::{RunLayout, Segment};
-use super::segment::{read_record_at, SegmentReader};
+use super::segment::{read_records_at, SegmentReader};
 use super::{Record, StreamHeader};
 use crate::ids::{HandoffId, RequestId, WorkerId};
 use serde::de::DeserializeOwned;
@@ -36,7 +36,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 /// Bumped whenever what the index stores changes; an index of another version is rebuilt.
-pub const INDEX_FORMAT: u32 = 4;
+pub const INDEX_FORMAT: u32 = 5;
 /// Records of a segment between two checkpoints: `at` reads at most this many records per
 /// segment after loading a checkpoint.
 pub const CHECKPOINT_EVERY: u64 = 16_384;
@@ -450,6 +450,7 @@ impl RunIndex {
         for fp in &meta.fingerprints {
             let seg_start =
                 meta.segments.iter().find(|s| s.path == fp.path).map(|s| s.data_start).unwrap_or(0);
+            // `last_record_offset` is the byte offset of the last record's frame (its block in v2).
             let now = match FileFingerprint::take(&fp.path, seg_start, fp.last_record_offset) {
                 Ok(now) => now,
                 Err(e) => return Ok(Err(format!("cannot fingerprint: {e}"))),
@@ -502,13 +503,13 @@ impl RunIndex {
             for (k, &s) in seg.streams.iter().enumerate() {
                 slot[s] = k;
             }
-            let mut reader = SegmentReader::open_at(seg, seg.data_start, vec![0; n])?;
+            let mut reader = SegmentReader::open_at(seg, seg.start_position(), vec![0; n])?;
             let mut in_seg = 0u64;
             let mut max_at = 0u64;
-            let mut last_offset = seg.data_start;
+            let mut last_offset = seg.start_position();
             let mut ordinal = 0u64;
             while let Some((stream, rec)) = reader.next_record()? {
-                let offset = reader.last_record_offset().unwrap_or(seg.data_start);
+                let offset = reader.last_record_offset().unwrap_or(seg.start_position());
                 last_offset = offset;
                 if rec.at_ns < last_at[stream] {
                     monotone[stream] = false;
@@ -561,7 +562,8 @@ impl RunIndex {
                 }
             }
             checkpoints.push(ordinal);
-            fingerprints.push(FileFingerprint::take(&seg.path, seg.data_start, last_offset)?);
+            let last_frame = seg.format.frame_of(last_offset).0;
+            fingerprints.push(FileFingerprint::take(&seg.path, seg.data_start, last_frame)?);
         }
         flush_postings(&pdb, &path, &mut pending, &mut flush_no)?;
         pdb.flush().map_err(|e| db_err(&path, e))?;
@@ -643,21 +645,24 @@ impl RunIndex {
     /// time-ordered ([`IndexMeta::all_monotone`]). Returns each record's stream index.
     pub fn read_postings(&self, postings: &[Posting]) -> Result<Vec<(usize, Record)>, IndexError> {
         let mut out = Vec::with_capacity(postings.len());
+        let mut by_segment: BTreeMap<u16, Vec<u64>> = BTreeMap::new();
         for p in postings {
-            let Some(seg) = self.meta.segments.get(p.segment as usize) else {
+            by_segment.entry(p.segment).or_default().push(p.offset);
+        }
+        for (segment, mut offsets) in by_segment {
+            let Some(seg) = self.meta.segments.get(segment as usize) else {
                 return Err(db_err(&self.path, "posting names an unknown segment"));
             };
-            let (stream, rec) = read_record_at(&seg.path, seg.kind, p.offset)?;
-            let stream = match stream {
-                Some(s) => s,
-                None => seg.streams.first().copied().unwrap_or(0),
-            };
-            out.push((p.segment, p.offset, stream, rec));
+            offsets.sort_unstable();
+            offsets.dedup();
+            for (stream, rec) in read_records_at(seg, &offsets)? {
+                out.push((segment, stream, rec));
+            }
         }
         if self.meta.segments.len() > 1 {
-            out.sort_by_key(|(_, _, stream, rec)| (rec.at_ns, *stream, rec.seq));
+            out.sort_by_key(|(_, stream, rec)| (rec.at_ns, *stream, rec.seq));
         }
-        Ok(out.into_iter().map(|(_, _, s, r)| (s, r)).collect())
+        Ok(out.into_iter().map(|(_, s, r)| (s, r)).collect())
     }
 
     /// The latest checkpoint of `segment` whose records all happened at or before `t_ns`.

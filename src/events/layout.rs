@@ -17,8 +17,8 @@ use std::path::{Path, PathBuf};
 
 /// The first eight bytes of every stream file.
 pub const MAGIC: [u8; 8] = *b"HOFFLOG\0";
-/// The stream format this build writes (and the only one it reads so far).
-pub const FORMAT_VERSION: u16 = 1;
+/// The stream format this build writes by default; it reads every version of [`LogFormat`].
+pub const FORMAT_VERSION: u16 = 2;
 /// The first eight bytes of a merged run file.
 pub const RUN_MAGIC: [u8; 8] = *b"HOFFRUN\0";
 /// The merged-run format this build writes and reads.
@@ -47,6 +47,55 @@ pub(crate) const MERGED_RECORD_FIXED_BYTES: usize = 2 + STREAM_RECORD_FIXED_BYTE
 pub(crate) const FILE_BUFFER_BYTES: usize = 1 << 20;
 /// Per-stream buffer when a run holds many streams open at once (memory = streams x this).
 pub(crate) const RUN_STREAM_BUFFER_BYTES: usize = 128 << 10;
+
+/// A stream file's format version.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum LogFormat {
+    /// One checksummed frame per record (`len | crc | seq | at_ns | fact`).
+    V1,
+    /// Records packed into compressed, checksummed blocks ([`super::block`]).
+    #[default]
+    V2,
+}
+
+/// Bits of a v2 position that hold the record's place in its block.
+const PLACE_BITS: u32 = 16;
+
+impl LogFormat {
+    /// The version number in the prelude.
+    pub fn version(self) -> u16 {
+        match self {
+            LogFormat::V1 => 1,
+            LogFormat::V2 => 2,
+        }
+    }
+
+    pub fn from_version(version: u16) -> Option<Self> {
+        match version {
+            1 => Some(LogFormat::V1),
+            2 => Some(LogFormat::V2),
+            _ => None,
+        }
+    }
+
+    /// A record's position: its byte offset in v1; in v2 its block's byte offset shifted left
+    /// 16 bits, plus its place in the block. Positions of one file rise with the records.
+    pub fn position(self, frame_offset: u64, place: u32) -> u64 {
+        match self {
+            LogFormat::V1 => frame_offset,
+            LogFormat::V2 => (frame_offset << PLACE_BITS) | place as u64,
+        }
+    }
+
+    /// The byte offset of the frame (record or block) holding the record at `position`, and the
+    /// record's place in it.
+    pub fn frame_of(self, position: u64) -> (u64, u32) {
+        match self {
+            LogFormat::V1 => (position, 0),
+            LogFormat::V2 => (position >> PLACE_BITS, (position & ((1 << PLACE_BITS) - 1)) as u32),
+        }
+    }
+}
 
 /// How a file's records are framed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -133,6 +182,15 @@ pub struct Segment {
     pub streams: Vec<usize>,
     /// Byte offset of the first record (after the header(s)).
     pub data_start: u64,
+    /// The file's format (merged files are v1).
+    pub format: LogFormat,
+}
+
+impl Segment {
+    /// The position of the file's first record.
+    pub fn start_position(&self) -> u64 {
+        self.format.position(self.data_start, 0)
+    }
 }
 
 /// The files and streams of a run, found by reading headers only.
@@ -164,7 +222,7 @@ impl RunLayout {
         if n == 8 && magic == RUN_MAGIC {
             Self::open_merged(path)
         } else if n == 8 && magic == MAGIC {
-            let (header, data_start) = read_stream_header(path)?;
+            let (header, data_start, format) = read_stream_header(path)?;
             Ok(RunLayout {
                 run: path.to_path_buf(),
                 kind: RunKind::Stream,
@@ -174,6 +232,7 @@ impl RunLayout {
                     kind: SegmentKind::Stream,
                     streams: vec![0],
                     data_start,
+                    format,
                 }],
             })
         } else if n < 8 && (MAGIC.starts_with(&magic[..n]) || RUN_MAGIC.starts_with(&magic[..n])) {
@@ -229,7 +288,7 @@ impl RunLayout {
         let mut headers: Vec<StreamHeader> = Vec::with_capacity(found.len());
         let mut segments = Vec::with_capacity(found.len());
         for (named, p) in found {
-            let (h, data_start) = read_stream_header(&p)?;
+            let (h, data_start, format) = read_stream_header(&p)?;
             if h.worker != named {
                 return Err(LogError::WorkerMismatch { path: p, named, found: h.worker });
             }
@@ -248,6 +307,7 @@ impl RunLayout {
                 kind: SegmentKind::Stream,
                 streams: vec![headers.len()],
                 data_start,
+                format,
             });
             headers.push(h);
         }
@@ -257,7 +317,7 @@ impl RunLayout {
     fn open_merged(path: &Path) -> Result<Self, LogError> {
         let io = |e| LogError::io(path, e);
         let mut r = BufReader::new(File::open(path).map_err(io)?);
-        frame::read_prelude(&mut r, path, &RUN_MAGIC, RUN_FORMAT_VERSION)?;
+        frame::read_prelude(&mut r, path, &RUN_MAGIC, &[RUN_FORMAT_VERSION])?;
         let mut offset = PRELUDE_BYTES as u64;
         let mut count = [0u8; 2];
         if frame::read_full(&mut r, &mut count).map_err(io)? < 2 {
@@ -284,6 +344,7 @@ impl RunLayout {
             kind: SegmentKind::Merged,
             streams: (0..headers.len()).collect(),
             data_start: offset,
+            format: LogFormat::V1,
         }];
         Ok(RunLayout { run: path.to_path_buf(), kind: RunKind::Merged, headers, segments })
     }
@@ -315,8 +376,9 @@ fn check_merged_header(
     Ok(())
 }
 
-/// Reads a stream file's prelude and header: the header and where its first record starts.
-pub(crate) fn read_stream_header(path: &Path) -> Result<(StreamHeader, u64), LogError> {
+/// Reads a stream file's prelude and header: the header, where its first record starts, and
+/// the file's format.
+pub(crate) fn read_stream_header(path: &Path) -> Result<(StreamHeader, u64, LogFormat), LogError> {
     let file = File::open(path).map_err(|e| LogError::io(path, e))?;
     read_stream_header_from(&mut BufReader::new(file), path)
 }
@@ -325,8 +387,9 @@ pub(crate) fn read_stream_header(path: &Path) -> Result<(StreamHeader, u64), Log
 pub(crate) fn read_stream_header_from(
     r: &mut impl std::io::Read,
     path: &Path,
-) -> Result<(StreamHeader, u64), LogError> {
-    frame::read_prelude(r, path, &MAGIC, FORMAT_VERSION)?;
+) -> Result<(StreamHeader, u64, LogFormat), LogError> {
+    let version = frame::read_prelude(r, path, &MAGIC, &[1, 2])?;
+    let format = LogFormat::from_version(version).expect("read_prelude accepts only known versions");
     let (header, used) = frame::read_header_block(r, path, PRELUDE_BYTES as u64)?;
-    Ok((header, PRELUDE_BYTES as u64 + used))
+    Ok((header, PRELUDE_BYTES as u64 + used, format))
 }

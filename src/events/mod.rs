@@ -25,6 +25,7 @@
 //! Runs (a directory of `{worker}.hlog` streams, or one merged `HOFFRUN` file) are described in
 //! [`run`].
 
+mod block;
 pub mod codec;
 pub mod error;
 pub mod fact;
@@ -40,8 +41,8 @@ pub use error::LogError;
 pub use fact::{BlockHash, Fact, KvDelta, MessageKind, MessageRejection, RejectReason, TerminalStatus};
 pub use frame::TornTail;
 pub use layout::{
-    RunKind, RunLayout, Segment, SegmentKind, FORMAT_VERSION, MAGIC, MAX_HEADER_BYTES, MAX_RECORD_BYTES,
-    RUN_FORMAT_VERSION, RUN_MAGIC,
+    LogFormat, RunKind, RunLayout, Segment, SegmentKind, FORMAT_VERSION, MAGIC, MAX_HEADER_BYTES,
+    MAX_RECORD_BYTES, RUN_FORMAT_VERSION, RUN_MAGIC,
 };
 pub use reader::{recover, verify_stream, StreamReader, StreamSummary};
 pub use run::{

@@ -1,4 +1,4 @@
-//! The streaming reader of one per-worker stream (format v1, see [`crate::events`]).
+//! The streaming reader of one per-worker stream (format v1 or v2, see [`crate::events`]).
 //!
 //! It holds one record's bytes at a time, never the file. The torn-tail rule: only a record cut
 //! off by the end of the file (too few bytes for its `len`/`crc`, or for the length it declares)
@@ -36,8 +36,8 @@ impl<R: Read> StreamReader<R> {
     /// Reads the header from `inner`; `name` is what errors call the stream.
     pub fn new(mut inner: R, name: impl Into<PathBuf>) -> Result<Self, LogError> {
         let path = name.into();
-        let (header, data_start) = layout::read_stream_header_from(&mut inner, &path)?;
-        let records = SegmentReader::new(inner, path, SegmentKind::Stream, 0, data_start, vec![0]);
+        let (header, data_start, format) = layout::read_stream_header_from(&mut inner, &path)?;
+        let records = SegmentReader::new(inner, path, SegmentKind::Stream, format, 0, data_start, vec![0]);
         Ok(StreamReader { records, header })
     }
 
@@ -56,12 +56,19 @@ impl<R: Read> StreamReader<R> {
         Ok(self.records.next_record()?.map(|(_, rec)| rec))
     }
 
-    /// The byte offset of the next record (after the end: the clean length of the stream).
+    /// The position of the next record (see [`super::LogFormat::position`]; in v1 its byte
+    /// offset).
     pub fn offset(&self) -> u64 {
         self.records.offset()
     }
 
-    /// The byte offset of the record last returned (for indexes that point into the file).
+    /// Bytes of whole records (v1) or blocks (v2) read so far: after the end, the stream's
+    /// sound length.
+    pub fn sound_length(&self) -> u64 {
+        self.records.sound_length()
+    }
+
+    /// The position of the record last returned (for indexes that point into the file).
     pub fn last_record_offset(&self) -> Option<u64> {
         self.records.last_record_offset()
     }
@@ -74,6 +81,11 @@ impl<R: Read> StreamReader<R> {
     /// The torn tail found at the end, once reading has reached it.
     pub fn torn_tail(&self) -> Option<TornTail> {
         self.records.torn_tail()
+    }
+
+    /// The stream file's format.
+    pub fn format(&self) -> super::LogFormat {
+        self.records.format()
     }
 }
 
@@ -145,7 +157,7 @@ pub fn verify_stream(path: impl AsRef<Path>) -> Result<StreamSummary, LogError> 
         handoffs: handoffs.len(),
         first_at_ns,
         last_at_ns,
-        bytes: reader.offset(),
+        bytes: reader.sound_length(),
         torn_tail: reader.torn_tail(),
     })
 }

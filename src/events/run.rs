@@ -36,7 +36,7 @@ use super::codec;
 use super::error::LogError;
 use super::frame::{self, TornTail};
 use super::layout::{
-    RunLayout, SegmentKind, FILE_BUFFER_BYTES, FRAME_PREFIX_BYTES, RUN_FORMAT_VERSION, RUN_MAGIC,
+    LogFormat, RunLayout, SegmentKind, FILE_BUFFER_BYTES, FRAME_PREFIX_BYTES, RUN_FORMAT_VERSION, RUN_MAGIC,
     RUN_STREAM_BUFFER_BYTES, STREAM_EXTENSION,
 };
 use super::reader::truncate;
@@ -106,7 +106,7 @@ impl RunReader {
         let files = layout
             .segments
             .iter()
-            .map(|seg| SegmentReader::open_buffered(seg, seg.data_start, vec![0; streams], buffer))
+            .map(|seg| SegmentReader::open_buffered(seg, seg.start_position(), vec![0; streams], buffer))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(RunReader {
             heads: (0..files.len()).map(|_| None).collect(),
@@ -446,6 +446,7 @@ pub struct RunWriter {
     streams: Vec<(WorkerId, StreamWriter<BufWriter<File>>)>,
     /// The stream appended to last: a step's records come in runs for one worker.
     last: usize,
+    format: LogFormat,
 }
 
 impl RunWriter {
@@ -456,6 +457,15 @@ impl RunWriter {
         dir: impl AsRef<Path>,
         headers: impl IntoIterator<Item = StreamHeader>,
     ) -> Result<Self, LogError> {
+        Self::create_as(dir, headers, LogFormat::default())
+    }
+
+    /// [`RunWriter::create`] writing streams in `format`.
+    pub fn create_as(
+        dir: impl AsRef<Path>,
+        headers: impl IntoIterator<Item = StreamHeader>,
+        format: LogFormat,
+    ) -> Result<Self, LogError> {
         let dir = dir.as_ref();
         fs::create_dir_all(dir).map_err(|e| LogError::io(dir, e))?;
         for entry in fs::read_dir(dir).map_err(|e| LogError::io(dir, e))? {
@@ -464,8 +474,13 @@ impl RunWriter {
                 return Err(LogError::RunExists { path: dir.into(), existing: p.display().to_string() });
             }
         }
-        let mut run =
-            RunWriter { dir: dir.to_path_buf(), headers: BTreeMap::new(), streams: Vec::new(), last: 0 };
+        let mut run = RunWriter {
+            dir: dir.to_path_buf(),
+            headers: BTreeMap::new(),
+            streams: Vec::new(),
+            last: 0,
+            format,
+        };
         for h in headers {
             run.declare(h)?;
         }
@@ -527,6 +542,7 @@ impl RunWriter {
                     &self.dir.join(stream_file_name(worker)),
                     header,
                     RUN_STREAM_BUFFER_BYTES,
+                    self.format,
                 )?;
                 w.flush()?;
                 self.streams.insert(i, (worker, w));
@@ -538,10 +554,12 @@ impl RunWriter {
     }
 
     /// Writes every stream's buffered records to its file (the replay does this on a time bound,
-    /// so a crash loses at most the last moments of the run).
+    /// so a crash loses at most the last moments of the run). A v2 block still gathering stays
+    /// in memory ([`StreamWriter::flush_sealed`]): blocks end where the records put them, not
+    /// where the clock did, so the files are the same on every run.
     pub fn flush_all(&mut self) -> Result<(), LogError> {
         for (_, s) in &mut self.streams {
-            s.flush()?;
+            s.flush_sealed()?;
         }
         Ok(())
     }

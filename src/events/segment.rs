@@ -6,10 +6,11 @@
 //! (a file from a checkpoint), and diff's context reads. So framing, the torn-tail rule,
 //! sequence checks and fact decoding exist once.
 
+use super::block::{BlockCursor, BlockHead, BLOCK_FIXED_BYTES};
 use super::codec;
 use super::error::LogError;
-use super::frame::{FrameReader, TornTail};
-use super::layout::{Segment, SegmentKind, FILE_BUFFER_BYTES};
+use super::frame::{self, FrameReader, TornTail};
+use super::layout::{LogFormat, Segment, SegmentKind, FILE_BUFFER_BYTES, FRAME_PREFIX_BYTES};
 use super::{Fact, Record};
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
@@ -20,6 +21,11 @@ use std::path::{Path, PathBuf};
 pub struct SegmentReader<R: Read = BufReader<File>> {
     frames: FrameReader<R>,
     kind: SegmentKind,
+    format: LogFormat,
+    /// v2: the block being read.
+    block: BlockCursor,
+    /// v2, after a seek into an epoch: records before this position only rebuild the table.
+    skip_before: Option<u64>,
     /// For a stream file: its one stream.
     stream: usize,
     /// Expected next seq per run stream index (only the file's streams are used).
@@ -52,10 +58,20 @@ impl SegmentReader<BufReader<File>> {
     ) -> Result<Self, LogError> {
         let path = &seg.path;
         let mut f = File::open(path).map_err(|e| LogError::io(path, e))?;
-        f.seek(SeekFrom::Start(offset)).map_err(|e| LogError::io(path, e))?;
+        let (frame_offset, place) = seg.format.frame_of(offset);
+        // A v2 record past an epoch's first block needs the epoch's table: start there.
+        let start = match seg.format {
+            LogFormat::V2 => epoch_offset_of(&mut f, path, frame_offset)?,
+            LogFormat::V1 => frame_offset,
+        };
+        f.seek(SeekFrom::Start(start)).map_err(|e| LogError::io(path, e))?;
         let stream = seg.streams.first().copied().unwrap_or(0);
         let inner = BufReader::with_capacity(buffer_bytes, f);
-        Ok(Self::new(inner, path.clone(), seg.kind, stream, offset, next_seq))
+        let mut reader = Self::new(inner, path.clone(), seg.kind, seg.format, stream, start, next_seq);
+        if seg.format == LogFormat::V2 && (start != frame_offset || place != 0) {
+            reader.skip_before = Some(offset);
+        }
+        Ok(reader)
     }
 }
 
@@ -66,6 +82,7 @@ impl<R: Read> SegmentReader<R> {
         inner: R,
         path: PathBuf,
         kind: SegmentKind,
+        format: LogFormat,
         stream: usize,
         offset: u64,
         next_seq: Vec<u64>,
@@ -73,6 +90,9 @@ impl<R: Read> SegmentReader<R> {
         SegmentReader {
             frames: FrameReader::new(inner, path, offset),
             kind,
+            format,
+            block: BlockCursor::default(),
+            skip_before: None,
             stream,
             ended: vec![false; next_seq.len()],
             next_seq,
@@ -127,12 +147,10 @@ impl<R: Read> SegmentReader<R> {
         if self.frames_read >= self.frame_limit {
             return Ok(None);
         }
-        let Some(offset) = self.frames.next_frame(self.kind.fixed_bytes())? else {
+        let Some((offset, stream, seq, at_ns, fact)) = self.next_raw()? else {
             return Ok(None);
         };
         self.frames_read += 1;
-        let fields = self.kind.fields(&self.frames.body);
-        let stream = fields.stream.unwrap_or(self.stream);
         if self.check_seq {
             let Some(expected) = self.next_seq.get_mut(stream) else {
                 let streams = self.next_seq.len();
@@ -141,26 +159,78 @@ impl<R: Read> SegmentReader<R> {
                     format!("stream index {stream} out of range (the run has {streams} streams)"),
                 ));
             };
-            if fields.seq != *expected {
+            if seq != *expected {
                 return Err(LogError::SequenceGap {
                     path: self.frames.path().to_path_buf(),
                     offset,
                     expected: *expected,
-                    found: fields.seq,
+                    found: seq,
                 });
             }
             *expected += 1;
         }
-        if self.only.is_some_and(|o| o != stream) {
-            return Ok(Some(None));
-        }
-        let fact: Fact = codec::decode_exact(&self.frames.body[fields.fact_start..])
-            .map_err(|e| self.frames.corrupt(offset, format!("undecodable fact: {e}")))?;
-        self.last_offset = Some(offset);
+        let Some(fact) = fact else { return Ok(Some(None)) };
+        self.last_offset = Some(self.format.position(offset, self.last_place()));
         if let Some(e) = self.ended.get_mut(stream) {
             *e = matches!(fact, Fact::StreamEnded);
         }
-        Ok(Some(Some((stream, Record { seq: fields.seq, at_ns: fields.at_ns, fact }))))
+        Ok(Some(Some((stream, Record { seq, at_ns, fact }))))
+    }
+
+    /// The place in its block of the record last read (0 in v1).
+    fn last_place(&self) -> u32 {
+        match self.format {
+            LogFormat::V1 => 0,
+            LogFormat::V2 => self.block.place - 1,
+        }
+    }
+
+    /// The next record's frame offset, stream, seq, at_ns, and fact (`None` for a record of a
+    /// stream filtered out). v2 records before a seek's target are read and dropped here.
+    #[allow(clippy::type_complexity)]
+    fn next_raw(&mut self) -> Result<Option<(u64, usize, u64, u64, Option<Fact>)>, LogError> {
+        if self.format == LogFormat::V1 {
+            return self.next_v1();
+        }
+        loop {
+            if !self.block.has_next() {
+                let Some(offset) = self.frames.next_frame(BLOCK_FIXED_BYTES)? else {
+                    return Ok(None);
+                };
+                self.block.load(&self.frames.body, offset).map_err(|e| self.frames.corrupt(offset, e))?;
+            }
+            let offset = self.block.block_offset;
+            let (place, seq, at_ns, fact) = self.block.next().map_err(|e| self.frames.corrupt(offset, e))?;
+            if let Some(target) = self.skip_before {
+                if self.format.position(offset, place) < target {
+                    continue;
+                }
+                self.skip_before = None;
+            }
+            let stream = self.stream;
+            return Ok(Some((
+                offset,
+                stream,
+                seq,
+                at_ns,
+                (!self.only.is_some_and(|o| o != stream)).then_some(fact),
+            )));
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn next_v1(&mut self) -> Result<Option<(u64, usize, u64, u64, Option<Fact>)>, LogError> {
+        let Some(offset) = self.frames.next_frame(self.kind.fixed_bytes())? else {
+            return Ok(None);
+        };
+        let fields = self.kind.fields(&self.frames.body);
+        let stream = fields.stream.unwrap_or(self.stream);
+        if self.only.is_some_and(|o| o != stream) {
+            return Ok(Some((offset, stream, fields.seq, fields.at_ns, None)));
+        }
+        let fact: Fact = codec::decode_exact(&self.frames.body[fields.fact_start..])
+            .map_err(|e| self.frames.corrupt(offset, format!("undecodable fact: {e}")))?;
+        Ok(Some((offset, stream, fields.seq, fields.at_ns, Some(fact))))
     }
 
     /// Byte offset of the record last returned (`None` before the first).
@@ -168,8 +238,16 @@ impl<R: Read> SegmentReader<R> {
         self.last_offset
     }
 
-    /// Byte offset of the next record (after the end: the file's sound length).
+    /// Position of the next record (in v1 its byte offset; see [`LogFormat::position`]).
     pub fn offset(&self) -> u64 {
+        if self.format == LogFormat::V2 && self.block.has_next() {
+            return self.format.position(self.block.block_offset, self.block.place);
+        }
+        self.format.position(self.frames.offset(), 0)
+    }
+
+    /// Bytes of whole frames read so far: after the end, the file's sound length.
+    pub fn sound_length(&self) -> u64 {
         self.frames.offset()
     }
 
@@ -197,17 +275,19 @@ impl<R: Read> SegmentReader<R> {
     pub fn path(&self) -> &Path {
         self.frames.path()
     }
+
+    /// The file's format.
+    pub fn format(&self) -> LogFormat {
+        self.format
+    }
 }
 
-/// Reads the one record that starts at `offset` in a file of the given kind (used to fetch
-/// postings and diff context). The record's checksum is checked; its sequence number is not
+/// Reads the one record at position `offset` in `seg`'s file (used to fetch postings and diff
+/// context). The record's checksum is checked; its sequence number is not
 /// (there is no predecessor to check it against). Returns the stream a merged record names.
-pub fn read_record_at(
-    path: &Path,
-    kind: SegmentKind,
-    offset: u64,
-) -> Result<(Option<usize>, Record), LogError> {
-    let seg = Segment { path: path.to_path_buf(), kind, streams: vec![0], data_start: offset };
+pub fn read_record_at(seg: &Segment, offset: u64) -> Result<(Option<usize>, Record), LogError> {
+    let (path, kind) = (&seg.path, seg.kind);
+    let seg = Segment { streams: vec![0], ..seg.clone() };
     let mut reader =
         SegmentReader::open_buffered(&seg, offset, Vec::new(), 64 << 10)?.without_sequence_check();
     match reader.next_record()? {
@@ -218,6 +298,36 @@ pub fn read_record_at(
             reason: "no record starts here (index or context offset past the end)".into(),
         }),
     }
+}
+
+/// Reads the records at `positions` (ascending) of `seg`'s file, each with the stream a merged
+/// record names (else the file's stream). v1 reads each record where it lies; v2 reads forward
+/// from the first, so the epoch's table is rebuilt once rather than once per record.
+pub fn read_records_at(seg: &Segment, positions: &[u64]) -> Result<Vec<(usize, Record)>, LogError> {
+    let own = seg.streams.first().copied().unwrap_or(0);
+    if seg.format == LogFormat::V1 {
+        return positions
+            .iter()
+            .map(|&p| read_record_at(seg, p).map(|(s, r)| (s.unwrap_or(own), r)))
+            .collect();
+    }
+    let Some(&first) = positions.first() else { return Ok(Vec::new()) };
+    let mut reader = SegmentReader::open_buffered(seg, first, Vec::new(), 64 << 10)?.without_sequence_check();
+    let mut out = Vec::with_capacity(positions.len());
+    for &p in positions {
+        reader.skip_before = Some(p);
+        match reader.next_record()? {
+            Some((_, record)) if reader.last_record_offset() == Some(p) => out.push((own, record)),
+            _ => {
+                return Err(LogError::Corrupt {
+                    path: seg.path.clone(),
+                    offset: seg.format.frame_of(p).0,
+                    reason: format!("no record at position {p} (index or context past the end)"),
+                })
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Reads the records of `stream` in `seg` from byte offset `start` (a record boundary) until
@@ -248,4 +358,22 @@ pub fn records_around(
         out.push((offset, record));
     }
     Ok(out)
+}
+
+/// The byte offset of the block that began the epoch of the v2 block at `block_offset`.
+fn epoch_offset_of(f: &mut File, path: &Path, block_offset: u64) -> Result<u64, LogError> {
+    let io = |e| LogError::io(path, e);
+    let corrupt = |reason: String| LogError::Corrupt { path: path.into(), offset: block_offset, reason };
+    f.seek(SeekFrom::Start(block_offset)).map_err(io)?;
+    let mut head = [0u8; FRAME_PREFIX_BYTES + BLOCK_FIXED_BYTES];
+    let n = frame::read_full(f, &mut head).map_err(io)?;
+    if n == 0 {
+        // At the end of the file: nothing to read, and no epoch to find.
+        return Ok(block_offset);
+    }
+    if n < head.len() {
+        return Err(corrupt("no block starts here (index or context offset past the end)".into()));
+    }
+    let head = BlockHead::parse(&head[FRAME_PREFIX_BYTES..], block_offset).map_err(corrupt)?;
+    Ok(head.epoch_offset)
 }

@@ -210,7 +210,7 @@ pub fn state_at(
         let (offset, next_seq, mut states) = match cp {
             Some(cp) => (cp.offset, cp.next_seq, cp.states),
             None => (
-                seg.data_start,
+                seg.start_position(),
                 vec![0; n],
                 seg.streams.iter().map(|&s| WorkerFold::new(&headers[s])).collect(),
             ),

@@ -143,7 +143,8 @@ pub fn indexed_show(
     let Some(seg) = layout.segment_of(stream) else {
         return Ok(false);
     };
-    let mut r = SegmentReader::open_at(seg, seg.data_start, vec![0; workers.len()])?.only_stream(stream);
+    let mut r =
+        SegmentReader::open_at(seg, seg.start_position(), vec![0; workers.len()])?.only_stream(stream);
     while let Some((_, rec)) = r.next_record()? {
         if !emit(w, &rec)? {
             break;

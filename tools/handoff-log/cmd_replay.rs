@@ -7,6 +7,7 @@ use handoff_ledger::adapters::replay::config::ReplayConfig;
 use handoff_ledger::adapters::replay::engine::{Replay, ReplayOptions, ReplayOutcome};
 use handoff_ledger::adapters::replay::identity::TraceIdentity;
 use handoff_ledger::adapters::replay::trace::{TraceFormat, TraceOptions, TraceReader};
+use handoff_ledger::events::LogFormat;
 use handoff_ledger::ids::{Backend, HandoffPolicy};
 use handoff_ledger::projections::compare::router_label;
 use handoff_ledger::projections::metrics::Slo;
@@ -56,6 +57,10 @@ pub struct ReplayArgs {
     /// tpot_ms are both checked against the request's mean inter-token gap (its TPOT).
     #[arg(long, value_name = "KEY=MS,...")]
     pub slo: Option<Slo>,
+    /// The stream format to write: 2 (compact blocks, the default) or 1 (one frame per record,
+    /// for tools that read only version 1). Every command reads both.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=2))]
+    pub log_format: u16,
 }
 
 /// The cluster and run flags `replay` and `sweep` share; they override `--config`.
@@ -253,6 +258,7 @@ pub fn run(a: ReplayArgs) -> Result<u8, CliError> {
         slo: a.slo.unwrap_or_default(),
         per_request,
         check_every_event: false,
+        log_format: LogFormat::from_version(a.log_format).unwrap_or_default(),
     };
     let replay = Replay::with_options(cfg, trace, &out_dir, options)?.with_progress(&mut progress);
     let outcome = replay.run()?;

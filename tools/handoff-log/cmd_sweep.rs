@@ -214,6 +214,7 @@ fn run_one(args: &SweepArgs, p: &PlannedRun) -> Result<Finished, CliError> {
         slo: args.output.slo.unwrap_or_default(),
         per_request: None,
         check_every_event: false,
+        log_format: Default::default(),
     };
     let outcome = Replay::with_options(p.config.clone(), trace, &dir, options)?.run()?;
     let wall_ms = started.elapsed().as_secs_f64() * 1e3;

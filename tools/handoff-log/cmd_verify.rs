@@ -44,7 +44,7 @@ pub fn run(logs: &[PathBuf], json_out: bool) -> Result<u8, CliError> {
                     }
                     for (p, t) in &s.torn_tails {
                         out.line(&format!(
-                            "{}: torn tail at byte offset {} ({} bytes of a partial last record); the records before it are sound and opening for append truncates it",
+                            "{}: torn tail at byte offset {} ({} bytes of a partial last record or block); the records before it are sound and opening for append truncates it",
                             p.display(),
                             t.offset,
                             t.bytes

@@ -33,7 +33,7 @@ pub(super) fn resolve(
                 let Some(seg) = layout.segment_of(r.stream) else {
                     continue;
                 };
-                let (_, record) = read_record_at(&seg.path, seg.kind, r.offset)?;
+                let (_, record) = read_record_at(seg, r.offset)?;
                 out.push(ContextRecord {
                     worker: layout.headers[r.stream].worker,
                     record,

@@ -292,7 +292,7 @@ impl WorkerSide {
                 let i = track.stream;
                 let seg =
                     layout.segment_of(i).ok_or_else(|| LogError::EmptyRun { path: layout.run.clone() })?;
-                let mut r = SegmentReader::open_at(seg, seg.data_start, vec![0; layout.headers.len()])?;
+                let mut r = SegmentReader::open_at(seg, seg.start_position(), vec![0; layout.headers.len()])?;
                 if seg.kind == SegmentKind::Merged {
                     r = r.only_stream(i);
                 }

@@ -140,6 +140,8 @@ pub struct ReplayOptions {
     /// counters and a recount of its block structures, and the counters conserve blocks
     /// (`simulate`; slow).
     pub check_every_event: bool,
+    /// The stream format to write (v2 unless a reader of v1 only must read the run).
+    pub log_format: crate::events::LogFormat,
 }
 
 pub struct Replay<'a> {
@@ -251,7 +253,7 @@ impl<'a> Replay<'a> {
         for h in &headers {
             metrics.add_stream(h);
         }
-        let out = RunWriter::create(out_dir, headers)?;
+        let out = RunWriter::create_as(out_dir, headers, options.log_format)?;
         let sink = FactSink::start(out, metrics)
             .map_err(|e| ReplayError::Engine(format!("starting the log writer thread: {e}")))?;
         let frontend = build_frontend(&cfg, &workers, block_size, policy)?;
