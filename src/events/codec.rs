@@ -100,6 +100,9 @@ pub(crate) struct HashTableWriter {
     last: i64,
 }
 
+/// Hashes one block can add (a 64 KiB block of 9-byte hashes), over the table's limit.
+const ORDER_SLACK: usize = 8 << 10;
+
 /// Anchor slots per stream: 2^this.
 const ANCHOR_SLOT_BITS: u32 = 14;
 
@@ -135,6 +138,9 @@ impl HashTableWriter {
         self.anchors.clear();
         self.anchors.resize(1 << ANCHOR_SLOT_BITS, (0, 0));
         self.order.clear();
+        // The epoch ends at a block's end once the table is full, so it overshoots by at most a
+        // block's hashes: reserved exactly, rather than doubled past the limit when it does.
+        self.order.reserve_exact(HASH_TABLE_ENTRIES + ORDER_SLACK);
         self.last = -1;
     }
 
