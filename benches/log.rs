@@ -1,4 +1,5 @@
-//! Log append and sequential read throughput for small records, in memory and through a file.
+//! Log append and sequential read throughput for small records, in memory and through a file,
+//! in both stream formats (v1: a frame per record; v2: compressed blocks).
 //!
 //! `cargo bench --bench log -- --warm-up-time 1 --measurement-time 3`
 //! Each workload is measured twice: once reported as records/s, once as bytes/s.
@@ -9,7 +10,9 @@
 
 use criterion::measurement::{Measurement, ValueFormatter, WallTime};
 use criterion::{black_box, Criterion, Throughput};
-use handoff_ledger::events::{EngineShape, Fact, KvDelta, StreamHeader, StreamReader, StreamWriter};
+use handoff_ledger::events::{
+    EngineShape, Fact, KvDelta, LogFormat, StreamHeader, StreamReader, StreamWriter,
+};
 use handoff_ledger::ids::{Backend, ClockDomain, HandoffPolicy, RequestId, WorkerId};
 use std::io::Cursor;
 
@@ -53,8 +56,8 @@ fn facts() -> Vec<(u64, Fact)> {
         .collect()
 }
 
-fn write_to_vec(facts: &[(u64, Fact)], capacity: usize) -> Vec<u8> {
-    let mut w = StreamWriter::new(Vec::with_capacity(capacity), &header()).unwrap();
+fn write_to_vec(facts: &[(u64, Fact)], capacity: usize, format: LogFormat) -> Vec<u8> {
+    let mut w = StreamWriter::with_format(Vec::with_capacity(capacity), &header(), format).unwrap();
     for (at, f) in facts {
         w.append(*at, f).unwrap();
     }
@@ -107,11 +110,18 @@ impl Measurement for ThreadCpuTime {
 }
 
 fn bench<M: Measurement>(c: &mut Criterion<M>) {
+    for format in [LogFormat::V1, LogFormat::V2] {
+        bench_format(c, format);
+    }
+}
+
+fn bench_format<M: Measurement>(c: &mut Criterion<M>, format: LogFormat) {
+    let v = format.version();
     let facts = facts();
-    let bytes = write_to_vec(&facts, 0);
+    let bytes = write_to_vec(&facts, 0, format);
     let total = bytes.len() as u64;
     eprintln!(
-        "{RECORDS} records, {total} bytes ({:.1} bytes/record incl. header)",
+        "v{v}: {RECORDS} records, {total} bytes ({:.1} bytes/record incl. header)",
         total as f64 / RECORDS as f64
     );
     let tmp = tempfile::tempdir().unwrap();
@@ -121,15 +131,15 @@ fn bench<M: Measurement>(c: &mut Criterion<M>) {
 
     let views = [("records", Throughput::Elements(RECORDS)), ("bytes", Throughput::Bytes(total))];
 
-    let mut g = c.benchmark_group("log_append");
+    let mut g = c.benchmark_group(format!("log_append_v{v}"));
     for (name, t) in views.clone() {
         g.throughput(t);
         g.bench_function(format!("memory/{name}"), |b| {
-            b.iter(|| black_box(write_to_vec(&facts, bytes.len())))
+            b.iter(|| black_box(write_to_vec(&facts, bytes.len(), format)))
         });
         g.bench_function(format!("file/{name}"), |b| {
             b.iter(|| {
-                let mut w = StreamWriter::create(&write_path, &header()).unwrap();
+                let mut w = StreamWriter::create_as(&write_path, &header(), format).unwrap();
                 for (at, f) in &facts {
                     w.append(*at, f).unwrap();
                 }
@@ -139,7 +149,7 @@ fn bench<M: Measurement>(c: &mut Criterion<M>) {
     }
     g.finish();
 
-    let mut g = c.benchmark_group("log_read");
+    let mut g = c.benchmark_group(format!("log_read_v{v}"));
     for (name, t) in views {
         g.throughput(t);
         g.bench_function(format!("memory/{name}"), |b| {

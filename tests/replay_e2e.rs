@@ -6,7 +6,7 @@ mod support;
 use handoff_ledger::events::{Fact, MessageKind, RunReader, TerminalStatus};
 use handoff_ledger::ids::{EndReason, HandoffId, RequestId, Role, WorkerId};
 use handoff_ledger::lifecycle::policy::Milestone;
-use handoff_ledger::projections::run::{project_capacity, project_handoffs};
+use handoff_ledger::projections::run::{project_capacity, project_handoffs, project_handoffs_streaming};
 use predicates::prelude::*;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -84,6 +84,75 @@ fn a_v1_run_and_a_v2_run_of_one_replay_are_equivalent() {
         .assert()
         .code(2)
         .stderr(predicate::str::contains("--log-format"));
+}
+
+/// The streamed handoff projection (what `project handoffs` prints, in bounded memory) hands
+/// out every handoff once with the entry the whole-log ledger has, also for runs with faults,
+/// expired leases and reservations, and more handoffs than it keeps finished.
+#[test]
+fn the_streamed_handoff_projection_equals_the_whole_ledger() {
+    let t = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut runs: Vec<PathBuf> = Vec::new();
+    for (i, (trace, args)) in [
+        ("traces/cascade.jsonl", vec!["--config", "configs/cascade-faults.json"]),
+        ("traces/cascade.jsonl", vec!["--config", "configs/cascade-short-lease.json"]),
+        (
+            "traces/cascade.jsonl",
+            vec!["--config", "configs/cascade-short-reservation.json", "--backend", "sglang"],
+        ),
+        ("traces/mooncake-200.jsonl", vec!["--prefill", "1", "--decode", "1"]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let out = t.path().join(format!("run-{i}"));
+        let args: Vec<String> = args
+            .iter()
+            .map(|a| {
+                if a.starts_with("configs/") {
+                    root.join("fixtures").join(a).display().to_string()
+                } else {
+                    a.to_string()
+                }
+            })
+            .collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        replay(trace, &args, &out);
+        runs.push(out);
+    }
+    // 12,000 handoffs: the Mooncake sample 60 times over, each copy after the last.
+    let sample = std::fs::read_to_string(fixture("traces/mooncake-200.jsonl")).unwrap();
+    let mut long = String::new();
+    for copy in 0..60u64 {
+        for line in sample.lines().filter(|l| !l.trim().is_empty()) {
+            let mut v: Value = serde_json::from_str(line).unwrap();
+            let ts = v["timestamp"].as_u64().unwrap() + copy * 100_000;
+            v["timestamp"] = ts.into();
+            long.push_str(&format!("{v}\n"));
+        }
+    }
+    let long_trace = t.path().join("long.jsonl");
+    std::fs::write(&long_trace, long).unwrap();
+    let out = t.path().join("long");
+    cli().arg("replay").arg(&long_trace).args(SMALL).arg("--out").arg(&out).assert().success();
+    runs.push(out);
+    runs.push(fixture("runs/sf-12-failed-r4"));
+    runs.push(fixture("runs/scripted-failures"));
+    for run in &runs {
+        let whole = project_handoffs(&mut RunReader::open(run).unwrap()).unwrap();
+        let mut streamed = BTreeMap::new();
+        let n = project_handoffs_streaming(&mut RunReader::open(run).unwrap(), |id, entry, _| {
+            assert!(streamed.insert(id, entry).is_none(), "{}: {id} handed out twice", run.display());
+            Ok::<(), Box<handoff_ledger::projections::run::ProjectError>>(())
+        })
+        .unwrap();
+        assert_eq!(n, whole.entries().len(), "{}", run.display());
+        if run.ends_with("long") {
+            assert!(n > 2 * handoff_ledger::projections::handoffs::HandoffStream::KEEP_FINISHED, "{n}");
+        }
+        assert!(&streamed == whole.entries(), "{}: streamed entries differ", run.display());
+    }
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! Facts, record framing, the per-worker stream format, and runs of several streams.
 //!
-//! ## Stream format, version 1
+//! ## Stream format, version 1 (still read; `replay --log-format 1` writes it)
 //! ```text
 //! stream  := header record*
 //! header  := MAGIC(8) format_version(u16 LE) codec_id(u16 LE) header_len(u32 LE)
@@ -21,6 +21,30 @@
 //! which is an error. Any other damage (checksum mismatch, undecodable fact, a `seq` that is
 //! not the previous plus one, an impossible `len`) is an error naming the file and the byte
 //! offset of the record's `len` field. A damaged or truncated header is always an error.
+//!
+//! ## Stream format, version 2 (what this build writes)
+//! ```text
+//! stream  := header block*          (the header exactly as in v1, version 2 in the prelude)
+//! block   := len(u32 LE) crc(u32 LE) body       (framed like a v1 record)
+//! ```
+//! A block packs up to 64 KiB of records (lz4, or stored when that is not smaller) with one
+//! checksum; a record's `seq` follows from the block's first, its `at_ns` is a varint delta, and
+//! the block hashes of `KvStored` / `KvRemoved` go through a stream-local table that resets at
+//! epochs (at most [`codec::HASH_TABLE_ENTRIES`] hashes or 8 MiB unpacked), so a reader that
+//! seeks reads at most one epoch first. The body layout is in the `block` module. A record's
+//! position (what the index stores, what readers resume at) is its block's byte offset shifted
+//! left 16 bits plus its place in the block ([`LogFormat::position`]); in v1 it is the record's
+//! byte offset.
+//!
+//! **Torn tail in v2.** The same rule on blocks: only a block cut off by the end of the file is a
+//! torn tail, and cutting it loses the records it held (a writer hands a block over when it is
+//! full or at [`StreamWriter::flush`]; live workers flush every 50 ms and at every terminal fact).
+//! Anything else — a checksum mismatch, impossible block fields, a payload that does not unpack
+//! to its stated length, an undecodable record, a reference outside the table, a `seq` gap — is
+//! an error naming the file and the byte offset of the block's `len` field.
+//!
+//! Every reader takes both versions; writers take a [`LogFormat`] (v2 by default, `replay
+//! --log-format 1` for v1). Merged files stay version 1.
 //!
 //! Runs (a directory of `{worker}.hlog` streams, or one merged `HOFFRUN` file) are described in
 //! [`run`].

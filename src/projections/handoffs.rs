@@ -204,8 +204,116 @@ fn causal_merge(source: &[CausalStep], destination: &[CausalStep]) -> Vec<Milest
     out
 }
 
+/// Where one role of a handoff stands, as far as telling when the role is done: a source ends at
+/// its release; a destination at activation, its reservation's release or dequeue; a canceled
+/// role that holds nothing has nothing left to end. (diff and [`HandoffStream`] both ask.)
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct RoleProgress {
+    /// The stream (diff) or the worker's place (the stream fold) of the role.
+    pub stream: usize,
+    pub is_source: bool,
+    pinned: bool,
+    /// A reservation queued or held and not yet dequeued, released or activated.
+    waiting: bool,
+    canceled: bool,
+    pub ended: bool,
+}
+
+impl RoleProgress {
+    pub(crate) fn new(stream: usize, is_source: bool) -> Self {
+        RoleProgress { stream, is_source, ..RoleProgress::default() }
+    }
+
+    pub(crate) fn observe(&mut self, fact: &Fact) {
+        match fact {
+            Fact::SourcePinned { .. } => self.pinned = true,
+            Fact::SourceReleased { .. } => self.ended = true,
+            Fact::ReservationQueued { .. } | Fact::DestinationReserved { .. } => self.waiting = true,
+            Fact::ReservationDequeued { .. }
+            | Fact::ReservationReleased { .. }
+            | Fact::DestinationActivated { .. } => {
+                self.waiting = false;
+                if !self.is_source {
+                    self.ended = true;
+                }
+            }
+            Fact::HandoffCanceled { .. } => self.canceled = true,
+            _ => {}
+        }
+        if self.canceled && !self.waiting && (!self.is_source || !self.pinned) {
+            self.ended = true;
+        }
+    }
+}
+
+/// The ledger folded as a stream: a handoff whose every started role has ended is handed out
+/// (oldest first) once more than [`HandoffStream::KEEP_FINISHED`] finished ones wait, so memory
+/// follows the handoffs in flight, not the length of the log. Waiting a while before handing
+/// one out lets a late fact about it (a duplicate message refused after its end) still join
+/// its entry.
+#[derive(Debug, Default)]
+pub struct HandoffStream {
+    ledger: HandoffLedger,
+    roles: std::collections::HashMap<HandoffId, Vec<(WorkerId, RoleProgress)>>,
+    finished: std::collections::VecDeque<HandoffId>,
+}
+
+impl HandoffStream {
+    /// Finished handoffs kept before the oldest is handed out.
+    pub const KEEP_FINISHED: usize = 4096;
+
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Folds one record; returns a finished handoff to hand out, if one is due.
+    pub fn apply(&mut self, worker: WorkerId, record: &Record) -> Option<(HandoffId, HandoffEntry)> {
+        self.ledger.apply(worker, record);
+        let id = record.fact.handoff()?;
+        let roles = self.roles.entry(id).or_default();
+        if matches!(record.fact, Fact::HandoffStarted { .. }) && !roles.iter().any(|(w, _)| *w == worker) {
+            let is_source = worker.role != Role::Decode;
+            roles.push((worker, RoleProgress::new(0, is_source)));
+        }
+        let Some((_, role)) = roles.iter_mut().find(|(w, _)| *w == worker) else { return self.due() };
+        let was = role.ended;
+        role.observe(&record.fact);
+        if !was && role.ended && roles.iter().all(|(_, r)| r.ended) {
+            self.roles.remove(&id);
+            self.finished.push_back(id);
+        }
+        self.due()
+    }
+
+    fn due(&mut self) -> Option<(HandoffId, HandoffEntry)> {
+        if self.finished.len() <= Self::KEEP_FINISHED {
+            return None;
+        }
+        let id = self.finished.pop_front()?;
+        self.ledger.remove(&id).map(|e| (id, e))
+    }
+
+    /// The latest timestamp seen.
+    pub fn last_at_ns(&self) -> u64 {
+        self.ledger.last_at_ns()
+    }
+
+    /// At the end of the log: the finished handoffs still kept (in the order they finished),
+    /// then the unfinished ones (by id).
+    pub fn finish(mut self) -> impl Iterator<Item = (HandoffId, HandoffEntry)> {
+        let mut out: Vec<(HandoffId, HandoffEntry)> = Vec::with_capacity(self.ledger.entries.len());
+        for id in std::mem::take(&mut self.finished) {
+            if let Some(e) = self.ledger.remove(&id) {
+                out.push((id, e));
+            }
+        }
+        out.extend(std::mem::take(&mut self.ledger.entries));
+        out.into_iter()
+    }
+}
+
 /// The fold. Memory grows with the number of handoffs in the log (it keeps every transition):
-/// it is a post-mortem view, not a streaming one.
+/// it is a post-mortem view; [`HandoffStream`] is the same fold handing finished handoffs out.
 #[derive(Clone, Debug, Default)]
 pub struct HandoffLedger {
     entries: BTreeMap<HandoffId, HandoffEntry>,

@@ -1,11 +1,11 @@
 //! Folds over a whole run (a directory of streams or a merged file), in merge order.
 
 use crate::events::{verify_run_with, LogError, Record, RunLayout, RunReader, RunSummary, StreamHeader};
-use crate::ids::{Role, WorkerId};
+use crate::ids::{HandoffId, Role, WorkerId};
 use crate::model::capacity::{CapacityViolation, KvCapacitySnapshot};
 use crate::model::view::SchedulerView;
 use crate::projections::bookings::BookingViolation;
-use crate::projections::handoffs::HandoffLedger;
+use crate::projections::handoffs::{HandoffEntry, HandoffLedger, HandoffStream};
 use crate::projections::metrics::{MetricsFold, MetricsReport};
 use crate::projections::scheduler::ViewViolation;
 use crate::projections::worker::{WorkerFold, WorkerViolation};
@@ -142,6 +142,33 @@ pub fn project_handoffs(run: &mut RunReader) -> Result<HandoffLedger, ProjectErr
         ledger.apply(workers[i], &rec);
     }
     Ok(ledger)
+}
+
+/// The handoff ledger of a run as a stream: `each` gets every handoff's entry once, finished
+/// handoffs roughly in the order they finished, then those still in flight at the log's end;
+/// `end_ns` (the log's last instant so far) is for still-pinned durations. Memory follows the
+/// handoffs in flight ([`HandoffStream`]).
+pub fn project_handoffs_streaming<E: From<ProjectError>>(
+    run: &mut RunReader,
+    mut each: impl FnMut(HandoffId, HandoffEntry, u64) -> Result<(), E>,
+) -> Result<usize, E> {
+    let workers: Vec<WorkerId> = run.headers().iter().map(|h| h.worker).collect();
+    let mut consistency = Consistency::new(run.headers());
+    let mut stream = HandoffStream::new();
+    let mut handed = 0;
+    while let Some((i, rec)) = run.next().map_err(ProjectError::from)? {
+        consistency.check(i, &rec)?;
+        if let Some((id, entry)) = stream.apply(workers[i], &rec) {
+            each(id, entry, stream.last_at_ns())?;
+            handed += 1;
+        }
+    }
+    let end = stream.last_at_ns();
+    for (id, entry) in stream.finish() {
+        each(id, entry, end)?;
+        handed += 1;
+    }
+    Ok(handed)
 }
 
 /// Every engine stream's final scheduler view.

@@ -6,7 +6,8 @@ use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
 use handoff_ledger::events::RunReader;
 use handoff_ledger::lifecycle::policy::Milestone;
 use handoff_ledger::projections::run::{
-    project_capacity, project_handoffs, project_metrics, project_scheduler, Consistency, ProjectError,
+    project_capacity, project_handoffs_streaming, project_metrics, project_scheduler, Consistency,
+    ProjectError,
 };
 use handoff_ledger::units::ms;
 use serde_json::json;
@@ -32,6 +33,15 @@ pub enum Projection {
 }
 
 /// A time on the run's clock as the tables print it.
+/// One row of `project handoffs`: fixed-width columns (rows are printed as they come, so no
+/// table can size them to the widest cell), the milestone order last.
+fn handoff_row(cells: [String; 8]) -> String {
+    let [id, request, source, dest, outcome, pinned, blocks, order] = cells;
+    format!(
+        "{id:<36}  {request:>8}  {source:<12}  {dest:<12}  {outcome:<18}  {pinned:>10}  {blocks:>6}  {order}"
+    )
+}
+
 fn ms_text(ns: u64) -> String {
     format!("{:.3}", ms(ns))
 }
@@ -229,49 +239,40 @@ pub fn run(log: &Path, what: Projection, json_out: bool, csv: bool) -> Result<u8
             }
         }
         Projection::Handoffs => {
-            let ledger = project_handoffs(&mut run)?;
-            let end = ledger.last_at_ns();
+            // Streamed: each handoff is printed once it has finished (and the fold forgets it),
+            // so a million-handoff run prints in the memory of the handoffs in flight.
             if json_out {
-                let hs: Vec<_> = ledger
-                    .entries()
-                    .iter()
-                    .map(|(id, e)| {
-                        json!({
-                            "handoff": id.to_string(),
-                            "request": e.request.map(|r| r.0),
-                            "policy": e.policy.map(|p| p.as_str()),
-                            "source": e.source,
-                            "destination": e.destination,
-                            "outcome": e.outcome(),
-                            "source_held_ms": opt_ms(e.pinned_at_ns),
-                            "destination_reserved_ms": opt_ms(e.reserved_at_ns),
-                            "destination_activated_ms": opt_ms(e.activated_at_ns),
-                            "source_released_ms": opt_ms(e.source_released_at_ns),
-                            "pinned_ms": e.pinned_ns(end).map(ms),
-                            "pinned_blocks": e.pinned_blocks,
-                            "reserved_pages": e.reserved_pages,
-                            "transfer_bytes": e.transfer_bytes,
-                            "normalized": e.normalized(),
-                            "transitions": e.transitions,
-                        })
-                    })
-                    .collect();
-                out.line(&json!({ "handoffs": hs }).to_string())?;
+                out.line("{\"handoffs\":[")?;
             } else {
-                let mut t = Table::new();
-                t.load_preset(UTF8_FULL_CONDENSED);
-                t.set_header(vec![
-                    "handoff",
-                    "request",
-                    "source",
-                    "dest",
-                    "outcome",
-                    "pinned_ms",
-                    "blocks",
-                    "order",
-                ]);
-                for (id, e) in ledger.entries() {
-                    t.add_row(vec![
+                out.line(&handoff_row(
+                    ["handoff", "request", "source", "dest", "outcome", "pinned_ms", "blocks", "order"]
+                        .map(String::from),
+                ))?;
+            }
+            let mut first = true;
+            let count = project_handoffs_streaming(&mut run, |id, e, end| {
+                let line = if json_out {
+                    let item = json!({
+                        "handoff": id.to_string(),
+                        "request": e.request.map(|r| r.0),
+                        "policy": e.policy.map(|p| p.as_str()),
+                        "source": e.source,
+                        "destination": e.destination,
+                        "outcome": e.outcome(),
+                        "source_held_ms": opt_ms(e.pinned_at_ns),
+                        "destination_reserved_ms": opt_ms(e.reserved_at_ns),
+                        "destination_activated_ms": opt_ms(e.activated_at_ns),
+                        "source_released_ms": opt_ms(e.source_released_at_ns),
+                        "pinned_ms": e.pinned_ns(end).map(ms),
+                        "pinned_blocks": e.pinned_blocks,
+                        "reserved_pages": e.reserved_pages,
+                        "transfer_bytes": e.transfer_bytes,
+                        "normalized": e.normalized(),
+                        "transitions": e.transitions,
+                    });
+                    format!("{}{item}", if first { "" } else { "," })
+                } else {
+                    handoff_row([
                         id.to_string(),
                         e.request.map(|r| r.to_string()).unwrap_or_default(),
                         e.source.map(|w| w.to_string()).unwrap_or_default(),
@@ -280,10 +281,17 @@ pub fn run(log: &Path, what: Projection, json_out: bool, csv: bool) -> Result<u8
                         e.pinned_ns(end).map(ms_text).unwrap_or_default(),
                         e.pinned_blocks.to_string(),
                         Milestone::join(&e.normalized(), " → "),
-                    ]);
-                }
-                out.line(&t.to_string())?;
-                out.line(&format!("{} handoffs", ledger.entries().len()))?;
+                    ])
+                };
+                first = false;
+                out.line(&line)
+            })?;
+            if json_out {
+                out.line("]}")?;
+            } else {
+                out.line(&format!(
+                    "{count} handoffs (finished ones in the order they finished, then any still in flight)"
+                ))?;
             }
         }
         Projection::Scheduler => {

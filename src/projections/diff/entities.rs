@@ -11,7 +11,7 @@ use crate::events::RunLayout;
 use crate::events::{Fact, LogError, RunReader, TerminalStatus};
 use crate::ids::{CancelReason, EndReason, HandoffId, RequestId, Role, WorkerId};
 use crate::lifecycle::policy::Milestone;
-use crate::projections::handoffs::{HandoffEntry, HandoffLedger, HandoffOutcome};
+use crate::projections::handoffs::{HandoffEntry, HandoffLedger, HandoffOutcome, RoleProgress};
 use std::collections::{BTreeMap, VecDeque};
 
 /// How a handoff is matched across runs.
@@ -144,41 +144,6 @@ impl RequestSignature {
 /// is compared only once every role that started has ended on its own stream, so the result
 /// never depends on how two processes' clocks (or a message's latency) interleave the roles'
 /// facts with the router's.
-#[derive(Clone, Copy, Debug, Default)]
-struct RoleProgress {
-    stream: usize,
-    is_source: bool,
-    pinned: bool,
-    /// A reservation queued or held and not yet dequeued, released or activated.
-    waiting: bool,
-    canceled: bool,
-    ended: bool,
-}
-
-impl RoleProgress {
-    fn observe(&mut self, fact: &Fact) {
-        match fact {
-            Fact::SourcePinned { .. } => self.pinned = true,
-            Fact::SourceReleased { .. } => self.ended = true,
-            Fact::ReservationQueued { .. } | Fact::DestinationReserved { .. } => self.waiting = true,
-            Fact::ReservationDequeued { .. }
-            | Fact::ReservationReleased { .. }
-            | Fact::DestinationActivated { .. } => {
-                self.waiting = false;
-                if !self.is_source {
-                    self.ended = true;
-                }
-            }
-            Fact::HandoffCanceled { .. } => self.canceled = true,
-            _ => {}
-        }
-        // A canceled role that holds nothing has nothing left to end.
-        if self.canceled && !self.waiting && (!self.is_source || !self.pinned) {
-            self.ended = true;
-        }
-    }
-}
-
 #[derive(Default)]
 struct OpenHandoff {
     request: Option<RequestId>,
@@ -384,7 +349,7 @@ impl EntitySide {
                 let o = self.open_handoffs.entry(h).or_default();
                 if matches!(rec.fact, Fact::HandoffStarted { .. }) && !o.roles.iter().any(|p| p.stream == i) {
                     let is_source = worker.role != Role::Decode;
-                    o.roles.push(RoleProgress { stream: i, is_source, ..RoleProgress::default() });
+                    o.roles.push(RoleProgress::new(i, is_source));
                 }
                 if let Some(p) = o.roles.iter_mut().find(|p| p.stream == i) {
                     p.observe(&rec.fact);
