@@ -262,6 +262,9 @@ pub enum CancelReason {
     /// Destination-first: the prefill still waited for its destination's reservation when
     /// SGLang's bootstrap timeout passed (appended after format version 1: variants go last).
     BootstrapTimeout,
+    /// Source-first: a destination still waiting for capacity gave its place up to a decode
+    /// worker that joined with room (the handoff goes on there; appended after format v1).
+    Rerouted,
 }
 
 impl CancelReason {
@@ -276,6 +279,7 @@ impl CancelReason {
             CancelReason::Teardown => "teardown",
             CancelReason::Expired => "expired",
             CancelReason::BootstrapTimeout => "bootstrap-timeout",
+            CancelReason::Rerouted => "rerouted",
         }
     }
 }

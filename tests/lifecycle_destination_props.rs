@@ -49,6 +49,8 @@ enum Op {
     Cancel(CancelReason),
     Finish,
     Heartbeat,
+    /// The frontend moves the handoff to a worker that joined (acts only while reserving).
+    Withdraw,
     Msg(Gen, Body),
     Foreign,
     OtherHandoff,
@@ -75,6 +77,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         1 => (0..REASONS.len()).prop_map(|i| Op::Cancel(REASONS[i])),
         2 => Just(Op::Finish),
         1 => Just(Op::Heartbeat),
+        1 => Just(Op::Withdraw),
         12 => (gen, body).prop_map(|(g, b)| Op::Msg(g, b)),
         1 => Just(Op::Foreign),
         1 => Just(Op::OtherHandoff),
@@ -330,6 +333,7 @@ fn run(
             Op::Cancel(r) => w.deliver(&mut m, DestinationEvent::Cancelled { reason: r })?,
             Op::Finish => w.deliver(&mut m, DestinationEvent::RequestFinished)?,
             Op::Heartbeat => w.deliver(&mut m, DestinationEvent::RenewLease)?,
+            Op::Withdraw => w.deliver(&mut m, DestinationEvent::Withdraw)?,
             Op::Msg(g, b) => {
                 let msg =
                     HandoffMessage { handoff: id, from: src, generation: gen_of(g), body: body(b, src) };

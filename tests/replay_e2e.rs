@@ -4,7 +4,7 @@
 mod support;
 
 use handoff_ledger::events::{Fact, MessageKind, RunReader, TerminalStatus};
-use handoff_ledger::ids::{EndReason, HandoffId, RequestId, Role, WorkerId};
+use handoff_ledger::ids::{CancelReason, EndReason, HandoffId, RequestId, Role, WorkerId};
 use handoff_ledger::lifecycle::policy::Milestone;
 use handoff_ledger::projections::run::{project_capacity, project_handoffs, project_handoffs_streaming};
 use predicates::prelude::*;
@@ -1300,6 +1300,76 @@ fn decode_workers_added_mid_cascade_take_new_handoffs_and_strand_less() {
     assert!(pinned(&report) < 0.6 * pinned(&base), "{} vs {}", pinned(&report), pinned(&base));
     assert!(report["leases_expired"].as_u64() < base["leases_expired"].as_u64());
     assert!(report["completed_requests"].as_u64() > base["completed_requests"].as_u64());
+}
+
+/// vLLM (source-first): a source pinned before decode scales up, whose destination waits for
+/// room on an old decode worker, is reserved by a worker that joined: the old destination
+/// withdraws (its queued reservation dequeued, the source never told), the decode booking moves,
+/// and the new worker reserves at the instant it joins and completes the handoff. SGLang routes
+/// the decode before dispatching the prefill, so it has nothing to move.
+#[test]
+fn a_source_pinned_before_decode_scales_up_is_reserved_by_the_new_worker() {
+    let t = tempfile::tempdir().unwrap();
+    let scaled = cascade_config(t.path(), "up.json", r#""scale": [{"at_ms": 20000, "decode": 2}]"#);
+    let run = t.path().join("up");
+    let report = replay("traces/cascade.jsonl", &["--config", scaled.to_str().unwrap()], &run);
+    assert_eq!(report["drained"], true);
+    let recs = records(&run);
+    let join = 20 * NS_PER_S;
+    let new = [WorkerId::decode(2), WorkerId::decode(3)];
+    let rerouted: Vec<(WorkerId, u64, HandoffId)> = recs
+        .iter()
+        .filter_map(|(w, at, f)| match f {
+            Fact::HandoffCanceled { handoff, reason: CancelReason::Rerouted } => Some((*w, *at, *handoff)),
+            _ => None,
+        })
+        .collect();
+    assert!(rerouted.len() >= 4, "{} destinations moved", rerouted.len());
+    let request_of: BTreeMap<HandoffId, RequestId> = recs
+        .iter()
+        .filter_map(|(_, _, f)| match f {
+            Fact::HandoffStarted { handoff, request, .. } => Some((*handoff, *request)),
+            _ => None,
+        })
+        .collect();
+    for (old, at, h) in &rerouted {
+        assert!(!new.contains(old), "{h} moved away from a new worker");
+        assert_eq!(*at, join, "{h}");
+        let about = |w: WorkerId| recs.iter().filter(move |(rw, _, f)| *rw == w && f.handoff() == Some(*h));
+        // Pinned before the join, routed to the old worker and never reserved there.
+        let pinned =
+            recs.iter().find(|(_, _, f)| matches!(f, Fact::SourcePinned { handoff, .. } if handoff == h));
+        assert!(pinned.is_some_and(|p| p.1 < join), "{h}");
+        assert!(about(*old)
+            .all(|(_, _, f)| !matches!(f, Fact::DestinationReserved { .. } | Fact::MessageSent { .. })));
+        assert!(about(*old)
+            .any(|(_, _, f)| matches!(f, Fact::ReservationDequeued { reason: CancelReason::Rerouted, .. })));
+        // Reserved by a new worker at the join, and completed there; the source let go on success.
+        let (w, reserved_at) = recs
+            .iter()
+            .find_map(|(w, at, f)| {
+                matches!(f, Fact::DestinationReserved { handoff, .. } if handoff == h).then_some((*w, *at))
+            })
+            .unwrap();
+        assert!(new.contains(&w) && reserved_at == join, "{h}: reserved on {w} at {reserved_at}");
+        assert!(about(w).any(|(_, _, f)| matches!(f, Fact::DestinationActivated { .. })), "{h}");
+        assert!(recs.iter().any(|(_, _, f)| matches!(
+            f,
+            Fact::SourceReleased { handoff, reason: EndReason::Success, .. } if handoff == h
+        )));
+        // The decode booking moved with it.
+        let r = request_of[h];
+        let booked: Vec<WorkerId> =
+            decode_bookings(&recs).into_iter().filter(|b| b.1 == r).map(|b| b.2).collect();
+        assert_eq!(booked, vec![*old, w], "{h}");
+    }
+    every_reader_accepts(&run, "decode-2");
+
+    let sglang = t.path().join("sglang");
+    replay("traces/cascade.jsonl", &["--config", scaled.to_str().unwrap(), "--backend", "sglang"], &sglang);
+    assert!(!records(&sglang)
+        .iter()
+        .any(|(_, _, f)| matches!(f, Fact::HandoffCanceled { reason: CancelReason::Rerouted, .. })));
 }
 
 #[test]

@@ -104,6 +104,10 @@ pub enum DestinationEvent {
     RequestFinished,
     /// The adapter's heartbeat timer: tell the source this destination is alive (lease renewal).
     RenewLease,
+    /// The frontend moves the handoff to a decode worker that joined with room. Only a
+    /// destination still waiting for its reservation lets go (the source never heard of it, so
+    /// it is not told); any other state ignores it.
+    Withdraw,
 }
 
 impl DestinationEvent {
@@ -114,6 +118,7 @@ impl DestinationEvent {
             DestinationEvent::ReservationFailed { .. } => "ReservationFailed",
             DestinationEvent::Message(m) => event_name(m.kind()),
             DestinationEvent::ReceiveCompleted => "ReceiveCompleted",
+            DestinationEvent::Withdraw => "Withdraw",
             DestinationEvent::ReservationExpired => "ReservationExpired",
             DestinationEvent::Cancelled { .. } => "Cancelled",
             DestinationEvent::RequestFinished => "RequestFinished",
@@ -323,6 +328,11 @@ impl DestinationHandoff {
             DestinationEvent::Cancelled { reason } => {
                 if !self.is_released() {
                     self.cancel(&mut t, reason, true);
+                }
+            }
+            DestinationEvent::Withdraw => {
+                if self.state == DestinationState::Reserving {
+                    self.cancel(&mut t, CancelReason::Rerouted, false);
                 }
             }
             DestinationEvent::RequestFinished => match self.state {

@@ -108,6 +108,10 @@ pub struct Frontend {
     generations: BTreeMap<WorkerId, Generation>,
     mint: IdMint,
     transfer: Box<dyn PromptTransferTime>,
+    /// Handoffs whose destination was asked to withdraw: the decode worker each is to move to,
+    /// and whether it has moved. Kept until the handoff is forgotten, so none moves twice
+    /// (two workers joining at one instant would otherwise pass it between them).
+    reroutes: BTreeMap<HandoffId, (WorkerId, bool)>,
 }
 
 fn router_error(e: impl std::fmt::Display) -> RuntimeError {
@@ -129,6 +133,7 @@ impl Frontend {
             guards: BTreeMap::new(),
             handoffs: BTreeMap::new(),
             request_handoffs: BTreeMap::new(),
+            reroutes: BTreeMap::new(),
             generations: BTreeMap::new(),
             mint,
             transfer,
@@ -171,6 +176,84 @@ impl Frontend {
     /// A worker joins its role's router.
     pub fn add_worker(&mut self, worker: WorkerId) -> Result<(), RuntimeError> {
         self.router_mut(worker.role)?.add_worker(worker).map_err(router_error)
+    }
+
+    /// A decode worker joined with `capacity_blocks` (source-first): destinations still waiting
+    /// on other decode workers (oldest request first) are asked to withdraw and move to it, as
+    /// many as its capacity holds beside what is booked there already. Each that was still
+    /// waiting answers [`ToFrontend::DestinationWithdrawn`] and is routed here; one already
+    /// reserved ignores the request. Without this a source pinned before the join would wait for
+    /// its old destination while the new worker sits idle.
+    pub fn decode_joined(&mut self, worker: WorkerId, capacity_blocks: u32, out: &mut FrontendReady) {
+        if self.config.policy != HandoffPolicy::SourceFirst || worker.role != Role::Decode {
+            return;
+        }
+        let mut room =
+            u64::from(capacity_blocks).saturating_sub(self.load(worker).map_or(0, |l| l.booked_blocks()));
+        for g in self.guards.values() {
+            let (Some(h), Some(d)) = (g.placement.handoff, g.placement.decode) else { continue };
+            if d == worker || g.activated || self.reroutes.contains_key(&h) {
+                continue;
+            }
+            if !self.handoffs.get(&h).is_some_and(|t| t.pinned && t.destination_held) {
+                continue;
+            }
+            let demand = u64::from(self.decode_blocks(&g.request));
+            if demand > room {
+                break;
+            }
+            room -= demand;
+            self.reroutes.insert(h, (worker, false));
+            out.sends.push((d, ToWorker::WithdrawDestination { handoff: h }));
+        }
+    }
+
+    /// Blocks a decode booking holds for `request` (prompt and output).
+    fn decode_blocks(&self, request: &Request) -> u32 {
+        (request.input_tokens + request.output_tokens).div_ceil(self.config.block_size)
+    }
+
+    /// The destination on `from` withdrew: the decode booking moves to the worker chosen at the
+    /// join and the destination starts there, reading from the same pinned source.
+    fn destination_withdrawn(
+        &mut self,
+        at_ns: u64,
+        from: WorkerId,
+        handoff: HandoffId,
+        out: &mut FrontendReady,
+    ) -> Result<(), RuntimeError> {
+        let target = match self.reroutes.get_mut(&handoff) {
+            Some((to, moved)) if !*moved => {
+                *moved = true;
+                Some(*to)
+            }
+            _ => None,
+        };
+        let request = self.request_of(handoff);
+        let moving = request.and_then(|r| self.guards.get(&r)).filter(|g| {
+            g.placement.decode == Some(from) && g.placement.handoff == Some(handoff) && !g.activated
+        });
+        let (Some(target), Some(g)) = (target, moving) else {
+            // Nothing to move it to (the request ended meanwhile): an ordinary end of the role.
+            self.role_ended(at_ns, handoff, HandoffRole::Destination, false, false, out);
+            return Ok(());
+        };
+        let (id, req, source) = (g.request.id, g.request.clone(), g.placement.prefill);
+        let Some(source) = source else {
+            return Err(RuntimeError(format!(
+                "{handoff}: a destination withdrew from a handoff with no source"
+            )));
+        };
+        let blocks = self.decode_blocks(&req);
+        let router = self.decode_router.as_mut().ok_or_else(|| RuntimeError("no decode router".into()))?;
+        out.facts.extend(router.free_decode(id, TerminalStatus::Canceled));
+        out.facts.push(router.book_decode(id, target, blocks).map_err(router_error)?);
+        if let Some(g) = self.guards.get_mut(&id) {
+            g.placement.decode = Some(target);
+        }
+        let source = Peer { worker: source, generation: self.generation_of(source) };
+        out.sends.push((target, ToWorker::StartDestination { handoff, request: req, source }));
+        Ok(())
     }
 
     /// A worker leaves routing (it finishes what it holds).
@@ -357,6 +440,9 @@ impl Frontend {
             }
             ToFrontend::Rejected { request } => {
                 self.terminal(at_ns, request, TerminalStatus::Rejected, 0, out)
+            }
+            ToFrontend::DestinationWithdrawn { handoff } => {
+                self.destination_withdrawn(at_ns, from, handoff, out)?
             }
         }
         Ok(())
@@ -567,6 +653,7 @@ impl Frontend {
         }
         let request = t.request;
         self.handoffs.remove(&handoff);
+        self.reroutes.remove(&handoff);
         if let Some(set) = self.request_handoffs.get_mut(&request) {
             set.remove(&handoff);
             if set.is_empty() {

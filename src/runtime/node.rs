@@ -515,6 +515,9 @@ impl WorkerNode {
                     self.source_event(at_ns, handoff, ev, false, ready);
                 }
             }
+            ToWorker::WithdrawDestination { handoff } => {
+                self.destination_event(at_ns, handoff, DestinationEvent::Withdraw, false, ready);
+            }
         }
         Ok(())
     }
@@ -823,7 +826,8 @@ impl WorkerNode {
             }
         };
         let released = role.machine.is_released();
-        let success = matches!(role.machine.state(), DestinationState::Released { how: EndReason::Success });
+        let role_state = *role.machine.state();
+        let success = matches!(role_state, DestinationState::Released { how: EndReason::Success });
         ready.facts.extend(t.facts);
         let mut batch = Batch::new(at_ns, self.generation);
         for action in t.actions {
@@ -863,7 +867,15 @@ impl WorkerNode {
                     self.destination_of.remove(&role.request.id);
                 }
             }
-            let ended = ToFrontend::RoleEnded { handoff, role: HandoffRole::Destination, success, refused };
+            let withdrawn = matches!(
+                role_state,
+                DestinationState::Released { how: EndReason::Canceled(CancelReason::Rerouted) }
+            );
+            let ended = if withdrawn {
+                ToFrontend::DestinationWithdrawn { handoff }
+            } else {
+                ToFrontend::RoleEnded { handoff, role: HandoffRole::Destination, success, refused }
+            };
             ready.outputs.push(Output::ToFrontend(ended));
         }
     }

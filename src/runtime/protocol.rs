@@ -56,6 +56,10 @@ pub enum ToWorker {
     CancelHandoff { handoff: HandoffId, reason: CancelReason },
     /// SGLang's bootstrap timeout: a source still waiting for its destination gives up.
     BootstrapExpired { handoff: HandoffId },
+    /// A decode worker joined with room: a destination still waiting for its reservation lets
+    /// go of its place (the core drops it from its pending queue) so the handoff can be routed
+    /// there. One already reserved ignores this.
+    WithdrawDestination { handoff: HandoffId },
 }
 
 /// Which role of a handoff a worker played.
@@ -93,6 +97,9 @@ pub enum ToFrontend {
     Finished { request: RequestId, status: TerminalStatus, output_tokens: u32 },
     /// The core refused the request (or its handoff) for good.
     Rejected { request: RequestId },
+    /// The destination let its waiting reservation go on [`ToWorker::WithdrawDestination`]:
+    /// its role ended without touching the source, which waits for the next destination.
+    DestinationWithdrawn { handoff: HandoffId },
 }
 
 /// What an envelope says.

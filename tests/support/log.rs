@@ -149,6 +149,7 @@ pub fn cancel() -> impl Strategy<Value = CancelReason> {
         Just(CancelReason::Teardown),
         Just(CancelReason::Expired),
         Just(CancelReason::BootstrapTimeout),
+        Just(CancelReason::Rerouted),
     ]
 }
 pub fn end() -> impl Strategy<Value = EndReason> {

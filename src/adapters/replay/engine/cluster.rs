@@ -110,6 +110,7 @@ impl Replay<'_> {
         let w = WorkerId { role, index: index as u32, dp_rank: 0 };
         let core = make_core(w, &self.cfg)?;
         let shape = core.shape();
+        let capacity_blocks = shape.total_blocks;
         if shape.block_size != self.block_size {
             return Err(ReplayError::Engine(format!(
                 "{w}: block size {} differs from other workers' {}",
@@ -152,6 +153,12 @@ impl Replay<'_> {
         self.frontend
             .add_worker(w)
             .map_err(|e| ReplayError::Engine(format!("adding {w} to its router: {e}")))?;
+        if role == Role::Decode {
+            // Destinations waiting for room elsewhere move here (source-first).
+            let mut out = self.take_front();
+            self.frontend.decode_joined(w, capacity_blocks, &mut out);
+            self.carry_out_frontend(out)?;
+        }
         Ok(Some(w))
     }
 
