@@ -974,6 +974,38 @@ fn a_seed_draws_the_same_scenario_every_time() {
 /// * 12673, 44615 (SGLang): a pause extended by a second one re-queued the inputs that waited
 ///   for the first behind later ones, so a cancel overtook its own start. A paused worker's
 ///   inputs now wait in one queue, in arrival order.
+/// The swarm draws decode workers joining mid-run, and under its faults destinations do move
+/// to them (`Rerouted`) in clean runs: the withdraw path meets drops, pauses and crashes.
+#[test]
+fn swarm_runs_move_waiting_destinations_to_joining_workers_and_stay_clean() {
+    use handoff_ledger::adapters::replay::swarm::{run_seed, BackendChoice, Scenario};
+    use handoff_ledger::ids::CancelReason;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut scaled, mut moved) = (0, 0);
+    for seed in 0..300u64 {
+        if Scenario::draw(seed, BackendChoice::One(handoff_ledger::ids::Backend::Vllm))
+            .config
+            .scale
+            .is_empty()
+        {
+            continue;
+        }
+        scaled += 1;
+        let out = dir.path().join(seed.to_string());
+        let outcome = run_seed(seed, BackendChoice::One(handoff_ledger::ids::Backend::Vllm), &out).unwrap();
+        assert!(outcome.clean(), "seed {seed}: {:?}", outcome.failures);
+        let mut run = RunReader::open(out.join("run")).unwrap();
+        while let Some((_, rec)) = run.next().unwrap() {
+            if matches!(rec.fact, Fact::HandoffCanceled { reason: CancelReason::Rerouted, .. }) {
+                moved += 1;
+            }
+        }
+        let _ = std::fs::remove_dir_all(&out);
+    }
+    assert!(scaled > 50, "{scaled} of 300 seeds scale");
+    assert!(moved > 10, "{moved} destinations moved over {scaled} scaled seeds");
+}
+
 #[test]
 fn seeds_that_found_defects_stay_clean() {
     use handoff_ledger::adapters::replay::swarm::{run_seed, BackendChoice};

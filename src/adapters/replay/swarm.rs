@@ -3,7 +3,8 @@
 //! A seed draws the scenario — backend (unless fixed), cluster shape, routers, engine sizes,
 //! lease / reservation / bootstrap timeouts, a generated trace, and the network's and nemesis'
 //! faults (`nemesis`): drops, doubles and delays of handoff messages, a partition, pauses, a
-//! crash, late timers. Message faults stop at the end of the trace's arrivals; from there the
+//! crash, late timers; and in about 3 seeds of 10, one or two decode workers joining mid-run
+//! (so waiting destinations move to them under faults too). Message faults stop at the end of the trace's arrivals; from there the
 //! network is clean and the run must drain on its own (the liveness phase).
 //!
 //! The safety checks run during the replay, after every event (`check_every_event`: each
@@ -98,6 +99,14 @@ impl Scenario {
         config.sglang.max_running_requests = rng.random_range(2..=64);
         let (trace, span_ms) = generate_trace(&mut rng);
         config.network = draw_faults(&mut rng, &config, span_ms);
+        // Decode workers joining mid-run (destinations waiting elsewhere move to them), from a
+        // stream of its own so the draws above stay what they were for every seed.
+        let mut scaling = ChaCha8Rng::seed_from_u64(seed ^ 0x5ca1_e0f0_dec0_de00);
+        if scaling.random_bool(0.3) {
+            let at_ms = scaling.random_range(0..=span_ms.max(1));
+            let decode = scaling.random_range(1..=2);
+            config.scale = vec![crate::adapters::replay::scaling::ScaleEntry { at_ms, prefill: 0, decode }];
+        }
         Scenario { config, trace }
     }
 }
