@@ -959,21 +959,6 @@ fn a_seed_draws_the_same_scenario_every_time() {
     assert_ne!(Scenario::draw(42, BackendChoice::Both).trace, Scenario::draw(41, BackendChoice::Both).trace);
 }
 
-/// Seeds `simulate` found defects with, kept as regression tests (the scenario generator must
-/// keep drawing the same runs from them: `a_seed_draws_the_same_scenario_every_time`).
-/// * 3691 (SGLang): prefill-0 paused, then crashed, while a start for it waited in its
-///   connection; the start used to arrive after the crash and after its request had failed,
-///   leaving a source waiting forever. A crash now loses what waited for the old session.
-/// * 9950 (vLLM): the same loss left requests whose start was lost never ending; the frontend
-///   now fails every role it believed on a worker that comes back under a new session. Later
-///   (with the rule below) it also showed that a source's own release, waiting for a step held
-///   by a pause, must still reach the core after a crash.
-/// * 39308 (vLLM): a source's dispatch, held by a pause, reached the core after the crash had
-///   canceled the source, so the core pinned a prefill nobody would release. A command that
-///   takes something (dispatch, reserve, activate) from a session that ended is now dropped.
-/// * 12673, 44615 (SGLang): a pause extended by a second one re-queued the inputs that waited
-///   for the first behind later ones, so a cancel overtook its own start. A paused worker's
-///   inputs now wait in one queue, in arrival order.
 /// The swarm draws decode workers joining mid-run, and under its faults destinations do move
 /// to them (`Rerouted`) in clean runs: the withdraw path meets drops, pauses and crashes.
 #[test]
@@ -1006,6 +991,21 @@ fn swarm_runs_move_waiting_destinations_to_joining_workers_and_stay_clean() {
     assert!(moved > 10, "{moved} destinations moved over {scaled} scaled seeds");
 }
 
+/// Seeds `simulate` found defects with, kept as regression tests (the scenario generator must
+/// keep drawing the same runs from them: `a_seed_draws_the_same_scenario_every_time`).
+/// * 3691 (SGLang): prefill-0 paused, then crashed, while a start for it waited in its
+///   connection; the start used to arrive after the crash and after its request had failed,
+///   leaving a source waiting forever. A crash now loses what waited for the old session.
+/// * 9950 (vLLM): the same loss left requests whose start was lost never ending; the frontend
+///   now fails every role it believed on a worker that comes back under a new session. Later
+///   (with the rule below) it also showed that a source's own release, waiting for a step held
+///   by a pause, must still reach the core after a crash.
+/// * 39308 (vLLM): a source's dispatch, held by a pause, reached the core after the crash had
+///   canceled the source, so the core pinned a prefill nobody would release. A command that
+///   takes something (dispatch, reserve, activate) from a session that ended is now dropped.
+/// * 12673, 44615 (SGLang): a pause extended by a second one re-queued the inputs that waited
+///   for the first behind later ones, so a cancel overtook its own start. A paused worker's
+///   inputs now wait in one queue, in arrival order.
 #[test]
 fn seeds_that_found_defects_stay_clean() {
     use handoff_ledger::adapters::replay::swarm::{run_seed, BackendChoice};
