@@ -59,7 +59,7 @@ const MAX_EARLY_MESSAGES: usize = 16;
 
 /// Ended handoffs remembered, so that a message for one is refused at once as late rather than
 /// kept as early.
-const REMEMBERED_ENDED: usize = 1 << 16;
+const REMEMBERED_ENDED: usize = 1 << 13;
 
 /// What every handoff on a node is configured with.
 #[derive(Clone, Copy, Debug)]

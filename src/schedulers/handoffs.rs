@@ -31,7 +31,7 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 
 /// How many ended handoffs a table remembers, to answer a late command with `NoOp` instead of
 /// `UnknownHandoff`.
-pub const ENDED_MEMORY: usize = 65536;
+pub const ENDED_MEMORY: usize = 8192;
 
 /// A command's answer.
 pub type Answer = Result<CommandOutcome, CommandError>;
