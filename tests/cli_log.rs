@@ -175,6 +175,15 @@ fn verify_names_file_and_offset_of_a_flipped_byte() {
         .stderr(predicate::str::contains("decode-0.hlog").and(predicate::str::contains("byte offset")));
 }
 
+/// Cuts `bytes` off the end of one stream of the 22-record scenario; returns how `verify` then
+/// counts the run's records (`"N records"`).
+fn cut_tail(path: &Path, bytes: u64) -> String {
+    let len = std::fs::metadata(path).unwrap().len();
+    let whole = records_of(path);
+    std::fs::OpenOptions::new().write(true).open(path).unwrap().set_len(len - bytes).unwrap();
+    format!("{} records", 22 - whole + records_of(path))
+}
+
 /// Sound records in a stream file (a reader stops at a torn tail).
 fn records_of(path: &Path) -> u64 {
     let mut r = handoff_ledger::events::StreamReader::open(path).unwrap();
@@ -186,13 +195,8 @@ fn records_of(path: &Path) -> u64 {
 fn verify_accepts_and_reports_a_torn_tail() {
     let dir = tempfile::tempdir().unwrap();
     write_scenario(dir.path());
-    let path = dir.path().join("router.hlog");
-    let len = std::fs::metadata(&path).unwrap().len();
-    let whole = records_of(&path);
-    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-    f.set_len(len - 3).unwrap();
     // The cut takes the stream's last block (v2: the router's records are one block).
-    let left = format!("{} records", 22 - whole + records_of(&path));
+    let left = cut_tail(&dir.path().join("router.hlog"), 3);
     cli()
         .arg("verify")
         .arg(dir.path())
@@ -426,12 +430,8 @@ fn a_merged_file_reads_exactly_like_its_directory() {
 fn recover_truncates_only_the_torn_tail() {
     let dir = tempfile::tempdir().unwrap();
     write_scenario(dir.path());
-    let path = dir.path().join("prefill-0.hlog");
-    let len = std::fs::metadata(&path).unwrap().len();
-    let whole = records_of(&path);
-    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len - 5).unwrap();
+    let left = cut_tail(&dir.path().join("prefill-0.hlog"), 5);
     cli().arg("recover").arg(dir.path()).assert().success().stdout(predicate::str::contains("truncated"));
-    let left = format!("{} records", 22 - whole + records_of(&path));
     cli()
         .arg("verify")
         .arg(dir.path())

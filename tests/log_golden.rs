@@ -32,12 +32,30 @@ fn regenerate() -> bool {
     std::env::var("REGENERATE_GOLDEN").map(|v| v == "1").unwrap_or(false)
 }
 
-fn encode_golden_stream() -> Vec<u8> {
-    let mut w = StreamWriter::with_format(Vec::new(), &golden_header(), LogFormat::V1).unwrap();
-    for (at, f) in golden_facts() {
-        w.append(at, &f).unwrap();
+/// `facts` as one stream under the golden header, in `format`.
+fn encode(facts: &[(u64, Fact)], format: LogFormat) -> Vec<u8> {
+    let mut w = StreamWriter::with_format(Vec::new(), &golden_header(), format).unwrap();
+    for (at, f) in facts {
+        w.append(*at, f).unwrap();
     }
     w.finish().unwrap()
+}
+
+fn encode_golden_stream() -> Vec<u8> {
+    encode(&golden_facts(), LogFormat::V1)
+}
+
+/// The golden run's streams written into `dir` (a run directory); the writer is returned to be
+/// closed or finished.
+fn write_golden_run(dir: &std::path::Path) -> RunWriter {
+    let streams = run_streams();
+    let mut rw = RunWriter::create(dir, streams.iter().map(|(h, _)| h.clone())).unwrap();
+    for (h, recs) in &streams {
+        for (at, f) in recs {
+            rw.append(h.worker, *at, f).unwrap();
+        }
+    }
+    rw
 }
 
 #[test]
@@ -87,11 +105,7 @@ fn golden_v1_log_decodes_unchanged() {
 #[test]
 fn golden_v1_appended_variants_decode_unchanged() {
     let path = golden_dir().join("golden-appended.hlog");
-    let mut w = StreamWriter::with_format(Vec::new(), &golden_header(), LogFormat::V1).unwrap();
-    for (at, f) in golden_appended_facts() {
-        w.append(at, &f).unwrap();
-    }
-    let encoded = w.finish().unwrap();
+    let encoded = encode(&golden_appended_facts(), LogFormat::V1);
     if std::env::var("REGENERATE_GOLDEN_APPENDED").map(|v| v == "1").unwrap_or(false) {
         std::fs::write(&path, &encoded).unwrap();
         eprintln!("regenerated {}", path.display());
@@ -284,13 +298,7 @@ fn golden_v1_merged_run_decodes_unchanged() {
     // Encode today: a run directory, then merged.
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("run");
-    let mut rw = RunWriter::create(&dir, streams.iter().map(|(h, _)| h.clone())).unwrap();
-    for (h, recs) in &streams {
-        for (at, f) in recs {
-            rw.append(h.worker, *at, f).unwrap();
-        }
-    }
-    rw.finish().unwrap();
+    write_golden_run(&dir).finish().unwrap();
     let encoded_path = tmp.path().join("run.hrun");
     write_merged(&dir, &encoded_path).unwrap();
     let encoded = std::fs::read(&encoded_path).unwrap();
@@ -363,11 +371,7 @@ fn golden_v2_facts() -> Vec<(u64, Fact)> {
 #[test]
 fn golden_v2_log_decodes_unchanged() {
     let path = golden_v2_dir().join("golden.hlog");
-    let mut w = StreamWriter::with_format(Vec::new(), &golden_header(), LogFormat::V2).unwrap();
-    for (at, f) in golden_v2_facts() {
-        w.append(at, &f).unwrap();
-    }
-    let encoded = w.finish().unwrap();
+    let encoded = encode(&golden_v2_facts(), LogFormat::V2);
     if regenerate() {
         std::fs::create_dir_all(golden_v2_dir()).unwrap();
         std::fs::write(&path, &encoded).unwrap();
@@ -393,13 +397,7 @@ fn golden_v2_log_decodes_unchanged() {
     let first_diff = encoded.iter().zip(&committed).position(|(a, b)| a != b);
     assert_eq!((encoded.len(), first_diff), (committed.len(), None), "encoding differs from the golden file");
     // The table made the removals and the re-store references, not hashes written again.
-    let v1 = {
-        let mut w = StreamWriter::with_format(Vec::new(), &golden_header(), LogFormat::V1).unwrap();
-        for (at, f) in golden_v2_facts() {
-            w.append(at, &f).unwrap();
-        }
-        w.finish().unwrap()
-    };
+    let v1 = encode(&golden_v2_facts(), LogFormat::V1);
     assert!(committed.len() * 2 < v1.len(), "v2 {} bytes, v1 {}", committed.len(), v1.len());
 }
 
@@ -408,16 +406,9 @@ fn golden_v2_log_decodes_unchanged() {
 #[test]
 fn golden_v2_run_directory_decodes_unchanged() {
     let dir = support::fixture("runs/v2-golden");
-    let streams = run_streams();
     let tmp = tempfile::tempdir().unwrap();
     let fresh = tmp.path().join("run");
-    let mut rw = RunWriter::create(&fresh, streams.iter().map(|(h, _)| h.clone())).unwrap();
-    for (h, recs) in &streams {
-        for (at, f) in recs {
-            rw.append(h.worker, *at, f).unwrap();
-        }
-    }
-    rw.close().unwrap();
+    write_golden_run(&fresh).close().unwrap();
     if regenerate() {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
