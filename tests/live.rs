@@ -254,6 +254,32 @@ fn killing_a_decode_worker_strands_nothing() {
     assert!(text.contains("WORKER LOST: decode-0's stream stops"), "inspect names the lost worker: {text}");
 }
 
+/// kill -9 of a prefill worker while it holds pinned sources whose destinations wait for room on
+/// decode: the frontend tells the decode workers, which let those reservations go; every
+/// request ends and no survivor holds a block, slot or booking.
+#[test]
+fn killing_a_prefill_worker_strands_nothing() {
+    let _turn = turn();
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    let config = fixture("configs/cascade-short-lease.json").display().to_string();
+    let args = ["--config", &config, "--backend", "vllm", "--metrics"];
+    let mut child = start_live("traces/cascade.jsonl", &args, &out, "0.05");
+    let workers = joined(&out);
+    let prefill = member(&workers, "prefill-0")["metrics"].as_str().unwrap().to_string();
+    // Pinned sources on prefill-0, and waiting reservations behind them on decode.
+    wait_for_metrics(&prefill, Duration::from_secs(30), |m| pinned(m) > 64.0);
+    kill_9(member(&workers, "prefill-0")["pid"].as_u64().unwrap());
+    let status = wait(&mut child, Duration::from_secs(90), "live after kill -9 of prefill-0");
+    let err = stderr_of(&out);
+    assert_eq!(status.code(), Some(1), "a lost worker means the run did not drain\n{err}");
+    assert!(err.contains("prefill-0 was lost"), "{err}");
+    every_request_ended(&out, 240);
+    survivors_hold_nothing(&out, &["prefill-0"]);
+    let text = inspect(&out);
+    assert!(text.contains("WORKER LOST: prefill-0's stream stops"), "inspect names the lost worker: {text}");
+}
+
 /// The pinned-source blocks a scrape shows.
 fn pinned(metrics: &str) -> f64 {
     metrics
