@@ -226,11 +226,10 @@ fn live_runs_are_equivalent_to_their_replays() {
     );
 }
 
-/// kill -9 of a decode worker while prefill sources are pinned for it: its peers end what they
-/// hold for it (peer lost), the frontend fails its requests and routes around it, and the run
-/// still ends with every request terminal and nothing held on any survivor.
-#[test]
-fn killing_a_decode_worker_strands_nothing() {
+/// kill -9 of `victim` (vLLM, cascade with short leases) once prefill-0's metrics say `ready`:
+/// the run ends not drained, naming the lost worker; every request ends; no survivor holds a
+/// block, slot or booking; inspect names the loss.
+fn kill_and_check(victim: &str, ready: impl Fn(&str) -> bool) {
     let _turn = turn();
     let t = tempfile::tempdir().unwrap();
     let out = t.path().join("run");
@@ -239,45 +238,32 @@ fn killing_a_decode_worker_strands_nothing() {
     let mut child = start_live("traces/cascade.jsonl", &args, &out, "0.05");
     let workers = joined(&out);
     let prefill = member(&workers, "prefill-0")["metrics"].as_str().unwrap().to_string();
-    wait_for_metrics(&prefill, Duration::from_secs(30), |m| {
-        sample(m, "handoff_kv_blocks{").is_some() && pinned(m) > 0.0
-    });
-    let decode_pid = member(&workers, "decode-0")["pid"].as_u64().unwrap();
-    kill_9(decode_pid);
-    let status = wait(&mut child, Duration::from_secs(90), "live after kill -9 of decode-0");
+    wait_for_metrics(&prefill, Duration::from_secs(30), ready);
+    kill_9(member(&workers, victim)["pid"].as_u64().unwrap());
+    let status = wait(&mut child, Duration::from_secs(90), &format!("live after kill -9 of {victim}"));
     let err = stderr_of(&out);
     assert_eq!(status.code(), Some(1), "a lost worker means the run did not drain\n{err}");
-    assert!(err.contains("decode-0 was lost"), "{err}");
+    assert!(err.contains(&format!("{victim} was lost")), "{err}");
     every_request_ended(&out, 240);
-    survivors_hold_nothing(&out, &["decode-0"]);
+    survivors_hold_nothing(&out, &[victim]);
     let text = inspect(&out);
-    assert!(text.contains("WORKER LOST: decode-0's stream stops"), "inspect names the lost worker: {text}");
+    assert!(
+        text.contains(&format!("WORKER LOST: {victim}'s stream stops")),
+        "inspect names the lost worker: {text}"
+    );
+}
+
+/// kill -9 of a decode worker while sources are pinned for it.
+#[test]
+fn killing_a_decode_worker_strands_nothing() {
+    kill_and_check("decode-0", |m| sample(m, "handoff_kv_blocks{").is_some() && pinned(m) > 0.0);
 }
 
 /// kill -9 of a prefill worker while it holds pinned sources whose destinations wait for room on
-/// decode: the frontend tells the decode workers, which let those reservations go; every
-/// request ends and no survivor holds a block, slot or booking.
+/// decode.
 #[test]
 fn killing_a_prefill_worker_strands_nothing() {
-    let _turn = turn();
-    let t = tempfile::tempdir().unwrap();
-    let out = t.path().join("run");
-    let config = fixture("configs/cascade-short-lease.json").display().to_string();
-    let args = ["--config", &config, "--backend", "vllm", "--metrics"];
-    let mut child = start_live("traces/cascade.jsonl", &args, &out, "0.05");
-    let workers = joined(&out);
-    let prefill = member(&workers, "prefill-0")["metrics"].as_str().unwrap().to_string();
-    // Pinned sources on prefill-0, and waiting reservations behind them on decode.
-    wait_for_metrics(&prefill, Duration::from_secs(30), |m| pinned(m) > 64.0);
-    kill_9(member(&workers, "prefill-0")["pid"].as_u64().unwrap());
-    let status = wait(&mut child, Duration::from_secs(90), "live after kill -9 of prefill-0");
-    let err = stderr_of(&out);
-    assert_eq!(status.code(), Some(1), "a lost worker means the run did not drain\n{err}");
-    assert!(err.contains("prefill-0 was lost"), "{err}");
-    every_request_ended(&out, 240);
-    survivors_hold_nothing(&out, &["prefill-0"]);
-    let text = inspect(&out);
-    assert!(text.contains("WORKER LOST: prefill-0's stream stops"), "inspect names the lost worker: {text}");
+    kill_and_check("prefill-0", |m| pinned(m) > 64.0);
 }
 
 /// The pinned-source blocks a scrape shows.

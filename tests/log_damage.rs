@@ -445,6 +445,26 @@ fn v2_open_append_cuts_a_torn_block_and_continues() {
     assert_eq!(got[kept], Record { seq: kept as u64, at_ns: 5_000, fact: again });
 }
 
+/// One `KvStored` with more hashes than a table epoch holds (600k: 5.4 MB, a legal record) is
+/// written and read back whole, followed by records that reference it.
+#[test]
+fn v2_one_fact_larger_than_a_table_epoch_reads_back() {
+    let blocks: Vec<u64> = (1..=600_000u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+    let facts = vec![
+        Fact::KvStored { parent: None, blocks: blocks.clone() },
+        Fact::KvRemoved { blocks: blocks[..1000].to_vec() },
+        Fact::KvStored { parent: Some(blocks[5]), blocks: blocks[10..20].to_vec() },
+    ];
+    let mut w =
+        StreamWriter::with_format(Vec::new(), &header(3, WorkerId::decode(0)), LogFormat::V2).unwrap();
+    for (i, f) in facts.iter().enumerate() {
+        w.append(i as u64, f).unwrap();
+    }
+    let (got, end) = read_all(&w.finish().unwrap());
+    assert_eq!(end.unwrap(), None);
+    assert_eq!(got.into_iter().map(|r| r.fact).collect::<Vec<_>>(), facts);
+}
+
 /// Seeking: a reader opened at any record's position (as the index and `at` open them) reads
 /// from that record on, also past several epochs of the block-hash table.
 #[test]

@@ -109,8 +109,8 @@ impl BlockWriter {
         if self.fact.len() > MAX_V2_FACT_BYTES {
             return Err(format!("a fact of {} bytes (at most {MAX_V2_FACT_BYTES})", self.fact.len()));
         }
-        codec::put_varint(&mut self.raw, zigzag(at_ns.wrapping_sub(self.last_at_ns) as i64));
-        codec::put_varint(&mut self.raw, self.fact.len() as u64);
+        codec::varint(&mut self.raw, zigzag(at_ns.wrapping_sub(self.last_at_ns) as i64));
+        codec::varint(&mut self.raw, self.fact.len() as u64);
         self.raw.extend_from_slice(&self.fact);
         self.last_at_ns = at_ns;
         self.records += 1;

@@ -55,7 +55,7 @@ const STEP_EXECUTED_VARIANT: u64 = 8;
 /// bincode's variable-length unsigned integer: one byte below 251, else a marker byte (251,
 /// 252, 253 for 2, 4, 8 bytes) followed by the value in little-endian.
 #[inline(always)]
-fn varint(out: &mut Vec<u8>, v: u64) {
+pub(crate) fn varint(out: &mut Vec<u8>, v: u64) {
     if v < 251 {
         out.push(v as u8);
     } else if v <= u16::MAX as u64 {
@@ -99,6 +99,11 @@ pub(crate) struct HashTableWriter {
     /// so a run of neighbours costs a byte per hash.
     last: i64,
 }
+
+/// The most entries a valid epoch can hold: the writer ends an epoch at a block's end once the
+/// table is full, and one block can add a 9-byte entry per 9 bytes of its payload (a single
+/// huge `KvStored` included). More is damage; the bound keeps a reader's table finite.
+const MAX_READER_ENTRIES: usize = HASH_TABLE_ENTRIES + crate::events::MAX_RECORD_BYTES / 9;
 
 /// Hashes one block can add (a 64 KiB block of 9-byte hashes), over the table's limit.
 const ORDER_SLACK: usize = 8 << 10;
@@ -211,8 +216,8 @@ impl HashTableReader {
             let raw = bytes.get(*at..*at + 8).ok_or("block hash cut short")?;
             *at += 8;
             let hash = u64::from_le_bytes(raw.try_into().expect("8 bytes"));
-            if self.hashes.len() >= HASH_TABLE_ENTRIES * 2 {
-                return Err(format!("block-hash table over {} entries in one epoch", HASH_TABLE_ENTRIES * 2));
+            if self.hashes.len() >= MAX_READER_ENTRIES {
+                return Err(format!("block-hash table over {MAX_READER_ENTRIES} entries in one epoch"));
             }
             self.last = self.hashes.len() as i64;
             self.hashes.push(hash);
@@ -327,10 +332,6 @@ pub(crate) fn read_varint(bytes: &[u8], at: &mut usize) -> Result<u64, String> {
     Ok(u64::from_le_bytes(b))
 }
 
-/// Appends a bincode-style varint (for the block layer's own fields).
-pub(crate) fn put_varint(out: &mut Vec<u8>, v: u64) {
-    varint(out, v)
-}
 
 /// Decodes one value from the head of `bytes`, returning it and the bytes it used (the rest
 /// is left unread: a reader can look at a leading field before trusting the whole).

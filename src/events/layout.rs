@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 /// The first eight bytes of every stream file.
 pub const MAGIC: [u8; 8] = *b"HOFFLOG\0";
 /// The stream format this build writes by default; it reads every version of [`LogFormat`].
-pub const FORMAT_VERSION: u16 = 2;
+pub const FORMAT_VERSION: u16 = LogFormat::V2.version();
 /// The first eight bytes of a merged run file.
 pub const RUN_MAGIC: [u8; 8] = *b"HOFFRUN\0";
 /// The merged-run format this build writes and reads.
@@ -63,7 +63,7 @@ const PLACE_BITS: u32 = 16;
 
 impl LogFormat {
     /// The version number in the prelude.
-    pub fn version(self) -> u16 {
+    pub const fn version(self) -> u16 {
         match self {
             LogFormat::V1 => 1,
             LogFormat::V2 => 2,
