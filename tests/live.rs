@@ -178,6 +178,33 @@ fn inspect(out: &Path) -> String {
 
 const SMALL: &[&str] = &["--prefill", "2", "--decode", "2"];
 
+/// Where the launcher's frontend listens, as it says on stderr.
+fn frontend_address(out: &Path) -> String {
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let err = stderr_of(out);
+        if let Some(rest) = err.split("frontend listening on ").nth(1) {
+            return rest.split(';').next().unwrap().to_string();
+        }
+        assert!(Instant::now() < until, "the frontend never said where it listens: {err}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `handoff-log worker` started by hand (stderr to OUT.ROLE-INDEX.stderr).
+fn start_worker(role: &str, index: &str, frontend: &str, listen: &str, out: &Path) -> Child {
+    let stderr = std::fs::File::create(out.with_extension(format!("{role}-{index}.stderr"))).unwrap();
+    Command::new(bin())
+        .args(["worker", "--role", role, "--index", index, "--frontend", frontend, "--listen", listen])
+        .arg("--out")
+        .arg(out)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .unwrap()
+}
+
 /// The proposal's scenario 8: a live run and the replay of the same trace, configuration and
 /// seed are equivalent (`diff` exits 0), for both backends, on both fixtures.
 #[test]
@@ -251,6 +278,57 @@ fn kill_and_check(victim: &str, ready: impl Fn(&str) -> bool) {
         text.contains(&format!("WORKER LOST: {victim}'s stream stops")),
         "inspect names the lost worker: {text}"
     );
+}
+
+/// kill -9 of a decode worker while sources are pinned for it, then a new process of it
+/// started by hand: it takes over its stream (cutting the torn tail, recording what the dead
+/// session held) under session 2 and takes new work; the run ends drained, every stream
+/// verifies, and inspect tells the loss and the takeover.
+#[test]
+fn a_killed_worker_restarted_by_hand_takes_new_work_under_a_new_session() {
+    let _turn = turn();
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    let config = fixture("configs/cascade-short-lease.json").display().to_string();
+    let args = ["--config", &config, "--backend", "vllm", "--metrics"];
+    // At 0.1 the trace's arrivals span 2.4 s of wall time: room for the restart to get work.
+    let mut child = start_live("traces/cascade.jsonl", &args, &out, "0.1");
+    let address = frontend_address(&out);
+    let workers = joined(&out);
+    let prefill = member(&workers, "prefill-0")["metrics"].as_str().unwrap().to_string();
+    wait_for_metrics(&prefill, Duration::from_secs(30), |m| sample(m, "handoff_kv_blocks{").is_some() && pinned(m) > 0.0);
+    kill_9(member(&workers, "decode-0")["pid"].as_u64().unwrap());
+    // A hello while the old session still counts as in the run is refused: wait for the loss.
+    let until = Instant::now() + Duration::from_secs(20);
+    while !stderr_of(&out).contains("worker lost") {
+        assert!(Instant::now() < until, "the frontend never noticed the kill: {}", stderr_of(&out));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut restarted = start_worker("decode", "0", &address, "127.0.0.1:0", &out);
+    let status = wait(&mut child, Duration::from_secs(90), "live after a restart");
+    let err = stderr_of(&out);
+    let worker_err = std::fs::read_to_string(out.with_extension("decode-0.stderr")).unwrap_or_default();
+    assert!(status.success(), "the restarted worker drained, so the run did: {status}\n{err}\n{worker_err}");
+    assert!(wait(&mut restarted, Duration::from_secs(20), "the restarted worker").success(), "{worker_err}");
+    assert!(err.contains("rejoined as session 2"), "{err}");
+    let report = std::fs::read_to_string(out.with_extension("stdout")).unwrap();
+    assert!(report.contains("decode-0 was lost (") && report.contains("session 2 took over"), "{report}");
+    every_request_ended(&out, 240);
+    survivors_hold_nothing(&out, &[]);
+    let mut stream = handoff_ledger::events::StreamReader::open(out.join("decode-0.hlog")).unwrap();
+    let (mut lost, mut session, mut new_work) = (None, 1, 0);
+    while let Some(rec) = stream.next_record().unwrap() {
+        match rec.fact {
+            handoff_ledger::events::Fact::SessionLost { generation, .. } => lost = Some(generation.0),
+            handoff_ledger::events::Fact::SessionStarted { generation } => session = generation.0,
+            handoff_ledger::events::Fact::DestinationActivated { .. } if session == 2 => new_work += 1,
+            _ => {}
+        }
+    }
+    assert_eq!((lost, session), (Some(1), 2), "the stream records the lost session, then the new one");
+    assert!(new_work > 0, "the new session took handoffs");
+    let text = inspect(&out);
+    assert!(text.contains("WORKER LOST AND RESTARTED: decode-0's session 1 stops"), "{text}");
 }
 
 /// kill -9 of a decode worker while sources are pinned for it.
@@ -430,38 +508,10 @@ fn workers_started_by_hand_join_a_frontend_started_alone() {
         "--external-workers",
     ];
     let mut child = start_live("traces/mooncake-200.jsonl", &args, &out, "0.02");
-    let until = Instant::now() + Duration::from_secs(20);
-    let address = loop {
-        let err = stderr_of(&out);
-        if let Some(rest) = err.split("frontend listening on ").nth(1) {
-            break rest.split(';').next().unwrap().to_string();
-        }
-        assert!(Instant::now() < until, "the frontend never said where it listens: {err}");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let address = frontend_address(&out);
     let mut workers: Vec<Child> = [("prefill", "0"), ("decode", "0")]
         .iter()
-        .map(|(role, index)| {
-            Command::new(bin())
-                .args([
-                    "worker",
-                    "--role",
-                    role,
-                    "--index",
-                    index,
-                    "--frontend",
-                    &address,
-                    "--listen",
-                    "0.0.0.0:0",
-                ])
-                .arg("--out")
-                .arg(&out)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap()
-        })
+        .map(|(role, index)| start_worker(role, index, &address, "0.0.0.0:0", &out))
         .collect();
     let status = wait(&mut child, Duration::from_secs(60), "live with external workers");
     for w in &mut workers {

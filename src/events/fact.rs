@@ -239,6 +239,13 @@ pub enum Fact {
     /// this one was cut short (a crash, a kill, an error mid-run): readers say the run is
     /// incomplete rather than fold partial figures as if they were whole.
     StreamEnded,
+    /// A restarted live process took over the stream of this worker's incarnation `generation`,
+    /// which died without ending it (written before the new `SessionStarted`). Whatever that
+    /// session held went with its process: `kv` returns every block, slot and headroom token the
+    /// stream's own fold says it held to free (the new process starts from an empty pool), and
+    /// its queued requests and handoff roles end here. Its peers and the frontend ended their
+    /// sides when the worker was lost.
+    SessionLost { generation: Generation, kv: KvDelta },
 }
 
 impl Fact {
@@ -309,7 +316,8 @@ impl Fact {
             | SourceReleased { kv, .. }
             | DestinationReserved { kv, .. }
             | DestinationActivated { kv, .. }
-            | ReservationReleased { kv, .. } => *kv,
+            | ReservationReleased { kv, .. }
+            | SessionLost { kv, .. } => *kv,
             _ => KvDelta::ZERO,
         }
     }
@@ -361,6 +369,7 @@ impl Fact {
             TransferTiming { .. } => "TransferTiming",
             WorkerLeft { .. } => "WorkerLeft",
             StreamEnded => "StreamEnded",
+            SessionLost { .. } => "SessionLost",
         }
     }
 }

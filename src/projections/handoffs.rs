@@ -269,6 +269,10 @@ impl HandoffStream {
     /// Folds one record; returns a finished handoff to hand out, if one is due.
     pub fn apply(&mut self, worker: WorkerId, record: &Record) -> Option<(HandoffId, HandoffEntry)> {
         self.ledger.apply(worker, record);
+        if matches!(record.fact, Fact::SessionLost { .. }) {
+            self.end_roles_of(worker, record.at_ns);
+            return self.due();
+        }
         let id = record.fact.handoff()?;
         let roles = self.roles.entry(id).or_default();
         if matches!(record.fact, Fact::HandoffStarted { .. }) && !roles.iter().any(|(w, _)| *w == worker) {
@@ -283,6 +287,36 @@ impl HandoffStream {
             self.finished.push_back(id);
         }
         self.due()
+    }
+
+    /// `worker`'s session died with its process: its roles end there, whatever state they
+    /// were in (the stream says so with `SessionLost`, before the next session starts).
+    fn end_roles_of(&mut self, worker: WorkerId, at_ns: u64) {
+        let mut done = Vec::new();
+        for (id, roles) in &mut self.roles {
+            let mut touched = false;
+            for (w, role) in roles.iter_mut() {
+                if *w == worker && !role.ended {
+                    role.ended = true;
+                    touched = true;
+                }
+            }
+            if !touched {
+                continue;
+            }
+            if let Some(e) = self.ledger.entries.get_mut(id) {
+                e.transitions.push(Transition { at_ns, worker, fact: "SessionLost", message: None });
+            }
+            if roles.iter().all(|(_, r)| r.ended) {
+                done.push(*id);
+            }
+        }
+        // Handed out in id order: the map's order is not the log's.
+        done.sort();
+        for id in done {
+            self.roles.remove(&id);
+            self.finished.push_back(id);
+        }
     }
 
     fn due(&mut self) -> Option<(HandoffId, HandoffEntry)> {

@@ -125,6 +125,8 @@ impl SchedulerFold {
             Fact::ReservationReleased { handoff, .. } if self.reserved.remove(handoff).is_none() => {
                 return err(format!("handoff {handoff} reservation released but not held"));
             }
+            // The process that held these queues is gone; its successor starts with none.
+            Fact::SessionLost { .. } => *self = SchedulerFold::new(),
             _ => {}
         }
         Ok(())

@@ -173,6 +173,7 @@ pub fn changes_queues(fact: &crate::events::Fact) -> bool {
             | Fact::ReservationDequeued { .. }
             | Fact::DestinationReserved { .. }
             | Fact::DestinationActivated { .. }
+            | Fact::SessionLost { .. }
             | Fact::ReservationReleased { .. }
     )
 }

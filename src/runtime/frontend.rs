@@ -407,6 +407,13 @@ impl Frontend {
                 let previous = self.generations.insert(from, generation);
                 if previous.is_some_and(|p| p < generation) {
                     self.session_reset(at_ns, from, out);
+                    // A worker lost (and left out of routing) is back: a new process under
+                    // this session, its KV index empty until its own facts fill it.
+                    if let Ok(router) = self.router_mut(from.role) {
+                        if !router.workers().contains(&from) {
+                            router.add_worker(from).map_err(router_error)?;
+                        }
+                    }
                 }
             }
             ToFrontend::KvChanged { fact } => {

@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 /// The number of `Fact` variants; [`ordinal`] is an exhaustive match, so adding a variant
 /// breaks the build here until the strategy, the golden list and this count are updated.
-pub const FACT_VARIANTS: usize = 43;
+pub const FACT_VARIANTS: usize = 44;
 
 /// The variant's position in the enum (= its bincode variant index).
 pub fn ordinal(f: &Fact) -> usize {
@@ -62,6 +62,7 @@ pub fn ordinal(f: &Fact) -> usize {
         TransferTiming { .. } => 40,
         WorkerLeft { .. } => 41,
         StreamEnded => 42,
+        SessionLost { .. } => 43,
     }
 }
 
@@ -285,6 +286,7 @@ pub fn fact() -> impl Strategy<Value = Fact> {
         }),
         generation().prop_map(|generation| WorkerLeft { generation }),
         Just(StreamEnded),
+        (generation(), kv()).prop_map(|(generation, kv)| SessionLost { generation, kv }),
     ]
 }
 
@@ -385,6 +387,8 @@ pub fn golden_appended_facts() -> Vec<(u64, Fact)> {
         (430, TransferTiming { handoff: h(3), queued_ns: 1_000, latency_ns: 5_000, moving_ns: u64::MAX - 3 }),
         (440, WorkerLeft { generation: Generation(2) }),
         (440, StreamEnded),
+        // The stream drained before its end: a successor finds nothing held.
+        (450, SessionLost { generation: Generation(2), kv: KvDelta::ZERO }),
     ]
 }
 

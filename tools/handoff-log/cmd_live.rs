@@ -154,6 +154,8 @@ pub fn run(a: &LiveArgs) -> Result<u8, CliError> {
             workers_of_run.len()
         );
     } else {
+        // Said for the launched run too: a killed worker restarted by hand joins here.
+        eprintln!("handoff-log live: frontend listening on {address}; starting {} workers", workers_of_run.len());
         let exe = std::env::current_exe()?;
         let plan =
             LaunchPlan { exe: &exe, frontend: address.clone(), out: a.out.clone(), metrics: a.metrics };
@@ -291,6 +293,9 @@ fn report_json(
         m.insert("workers".into(), serde_json::to_value(&outcome.summaries).unwrap_or_default());
         let lost: Vec<String> = outcome.lost.iter().map(|(w, why)| format!("{w}: {why}")).collect();
         m.insert("workers_lost".into(), lost.into());
+        let rejoined: Vec<String> =
+            outcome.rejoined.iter().map(|(w, why, g)| format!("{w}: {why}; rejoined as session {}", g.0)).collect();
+        m.insert("workers_rejoined".into(), rejoined.into());
         let exits: Vec<String> = exits
             .iter()
             .map(|(w, s)| format!("{w}: {}", s.map_or("killed".to_string(), |s| s.to_string())))
@@ -335,6 +340,9 @@ fn live_lines(
     }
     for (w, why) in &outcome.lost {
         lines.push(format!("{w} was lost: {why}"));
+    }
+    for (w, why, generation) in &outcome.rejoined {
+        lines.push(format!("{w} was lost ({why}) and rejoined: session {} took over its stream and left drained", generation.0));
     }
     for (w, status) in exits {
         match status {

@@ -69,8 +69,12 @@ pub struct FrontendSetup {
 /// How a live run ended at the frontend.
 pub struct FrontendOutcome {
     pub summaries: BTreeMap<WorkerId, WorkerSummary>,
-    /// Workers whose link ended before their goodbye, with why.
+    /// Workers whose link ended before their goodbye, with why (a worker that came back and
+    /// then left cleanly is in `rejoined` instead).
     pub lost: Vec<(WorkerId, String)>,
+    /// Workers lost and restarted: why the earlier session was lost, and the session that
+    /// took over (and left cleanly).
+    pub rejoined: Vec<(WorkerId, String, Generation)>,
     pub lag: LagStats,
     pub arrivals: u64,
     pub trace_lines_read: u64,
@@ -78,17 +82,30 @@ pub struct FrontendOutcome {
     pub model_end_ns: u64,
 }
 
+/// What reaches the loop from the links. Worker events carry the session of the link they
+/// came on: a restarted worker's old link may still report its end after the new one opened.
 enum LinkEvent {
-    Worker { from: WorkerId, frame: Frame },
-    WorkerGone { worker: WorkerId, why: String },
+    Worker { from: WorkerId, generation: Generation, frame: Frame },
+    WorkerGone { worker: WorkerId, generation: Generation, why: String },
+    /// A worker said hello after the run began: a lost worker's restarted process.
+    Rejoin { joined: JoinedWorker, link: Link },
     Interrupt,
+}
+
+/// What every welcome says but the generation.
+struct WelcomeParts {
+    run_id: uuid::Uuid,
+    config_json: String,
+    timing: LiveTiming,
+    trace_json: String,
 }
 
 enum Input {
     Arrival,
     BootstrapTimer(RequestId),
     FromWorker { from: WorkerId, message: ToFrontend },
-    WorkerLost(WorkerId),
+    /// The worker's session `generation` is gone.
+    WorkerLost(WorkerId, Generation),
 }
 
 /// One worker's link and where it stands.
@@ -127,15 +144,14 @@ async fn join(listener: TcpListener, mut setup: FrontendSetup) -> Result<Fronten
     let mut joined = accept_workers(&listener, &workers).await?;
     let config_json =
         serde_json::to_string(&cfg).map_err(|e| LiveError::Config(format!("configuration: {e}")))?;
+    let welcome = WelcomeParts {
+        run_id: setup.run_id,
+        config_json,
+        timing: setup.timing,
+        trace_json: setup.description.to_json(),
+    };
     for (j, link) in &mut joined {
-        let welcome = FrameBody::Welcome {
-            run_id: setup.run_id,
-            generation: Generation(1),
-            config_json: config_json.clone(),
-            timing: setup.timing,
-            trace_json: setup.description.to_json(),
-        };
-        link::send_frame(link, welcome, &j.worker.to_string()).await?;
+        link::send_frame(link, welcome.frame(Generation(1)), &j.worker.to_string()).await?;
     }
     let list: Vec<JoinedWorker> = joined.iter().map(|(j, _)| j.clone()).collect();
     (std::mem::replace(&mut setup.on_joined, Box::new(|_| {})))(&list);
@@ -144,7 +160,44 @@ async fn join(listener: TcpListener, mut setup: FrontendSetup) -> Result<Fronten
     let path = setup.out.join(stream_file_name(WorkerId::ROUTER));
     let stream = StreamWriter::create(&path, &router_header)?;
     let clock = ModelClock::new(Instant::now() + START_LEAD, setup.timing.time_scale);
-    FrontendRun::new(setup, frontend, clock, stream, joined)
+    FrontendRun::new(setup, frontend, clock, stream, joined, listener, welcome)
+}
+
+impl WelcomeParts {
+    fn frame(&self, generation: Generation) -> FrameBody {
+        FrameBody::Welcome {
+            run_id: self.run_id,
+            generation,
+            config_json: self.config_json.clone(),
+            timing: self.timing,
+            trace_json: self.trace_json.clone(),
+        }
+    }
+}
+
+/// Keeps accepting once the run began: a lost worker's restarted process says hello here
+/// (anything else is refused, as before the run).
+fn spawn_rejoin_accept(listener: TcpListener, events: SyncSender<LinkEvent>) {
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, address)) = listener.accept().await else { continue };
+            let _ = stream.set_nodelay(true);
+            let events = events.clone();
+            tokio::spawn(async move {
+                let peer = address.to_string();
+                let mut link = Framed::new(stream, super::wire::LinkCodec::default());
+                match link::next_frame(&mut link, Duration::from_secs(5), &peer).await {
+                    Ok(Frame { body: FrameBody::Hello { worker, listen, metrics, pid }, .. }) => {
+                        let listen = reachable(&listen, &address);
+                        let joined = JoinedWorker { worker, pid, listen, metrics };
+                        let _ = events.send(LinkEvent::Rejoin { joined, link });
+                    }
+                    Ok(other) => tracing::warn!(%peer, "refused a connection that did not say hello: {:?}", other.body),
+                    Err(e) => tracing::warn!("refused a connection during the run: {e}"),
+                }
+            });
+        }
+    });
 }
 
 /// Every worker shares one block size (the replay checks the same).
@@ -231,6 +284,9 @@ struct FrontendRun {
     lost: Vec<(WorkerId, String)>,
     flushed_at: Instant,
     interrupted: bool,
+    events_in: SyncSender<LinkEvent>,
+    timing: LiveTiming,
+    welcome: WelcomeParts,
 }
 
 impl FrontendRun {
@@ -240,28 +296,19 @@ impl FrontendRun {
         clock: ModelClock,
         stream: StreamWriter<BufWriter<File>>,
         joined: Vec<(JoinedWorker, Link)>,
+        listener: TcpListener,
+        welcome: WelcomeParts,
     ) -> Result<Self, LiveError> {
         let (events_in, events) = sync_channel(EVENT_QUEUE);
         let mut members = BTreeMap::new();
         let mut book = Vec::new();
         for (j, link) in joined {
             book.push(PeerAddress { worker: j.worker, generation: Generation(1), address: j.listen.clone() });
-            let (to, frames) = mpsc::channel(LINK_QUEUE_FRAMES);
-            let (sink, source) = link.split();
-            let worker = j.worker;
-            link::spawn_writer(sink, frames, setup.timing.heartbeat_wall(), events_in.clone(), move |why| {
-                LinkEvent::WorkerGone { worker, why }
-            });
-            link::spawn_reader(
-                source,
-                setup.timing.silence_limit(),
-                events_in.clone(),
-                move |frame| LinkEvent::Worker { from: worker, frame },
-                move |why| LinkEvent::WorkerGone { worker, why },
-            );
-            members.insert(worker, Member { to: Some(to), generation: Generation(1), said_bye: false });
+            let to = open_link(j.worker, Generation(1), link, &setup.timing, &events_in);
+            members.insert(j.worker, Member { to: Some(to), generation: Generation(1), said_bye: false });
         }
-        spawn_interrupt(events_in);
+        spawn_interrupt(events_in.clone());
+        spawn_rejoin_accept(listener, events_in.clone());
         Ok(FrontendRun {
             frontend,
             workload: setup.workload,
@@ -279,6 +326,9 @@ impl FrontendRun {
             lost: Vec::new(),
             flushed_at: Instant::now(),
             interrupted: false,
+            events_in,
+            timing: setup.timing,
+            welcome,
         })
     }
 
@@ -357,9 +407,16 @@ impl FrontendRun {
         for m in self.members.values_mut() {
             m.to = None;
         }
+        // A worker that came back and then left cleanly ended drained: its loss is told apart.
+        let (rejoined, lost): (Vec<_>, Vec<_>) = std::mem::take(&mut self.lost).into_iter().partition(|(w, _)| {
+            self.members.get(w).is_some_and(|m| m.said_bye && m.generation > Generation(1))
+        });
+        let rejoined =
+            rejoined.into_iter().map(|(w, why)| (w, why, self.members[&w].generation)).collect();
         Ok(FrontendOutcome {
             summaries: std::mem::take(&mut self.summaries),
-            lost: std::mem::take(&mut self.lost),
+            lost,
+            rejoined,
             lag: self.schedule.stats,
             arrivals: self.arrivals,
             trace_lines_read: self.workload.trace_lines_read(),
@@ -375,19 +432,65 @@ impl FrontendRun {
                 self.interrupted = true;
                 Ok(())
             }
-            LinkEvent::WorkerGone { worker, why } => {
+            LinkEvent::WorkerGone { worker, generation, why } => {
                 let Some(m) = self.members.get_mut(&worker) else { return Ok(()) };
-                if m.said_bye || m.to.is_none() {
+                if m.said_bye || m.to.is_none() || m.generation != generation {
                     return Ok(());
                 }
                 m.to = None;
                 tracing::warn!(%worker, "worker lost: {why}");
                 self.lost.push((worker, why));
                 let now = self.clock.now_ns();
-                self.push(now, Hold::Message, Input::WorkerLost(worker))
+                self.push(now, Hold::Message, Input::WorkerLost(worker, generation))
             }
-            LinkEvent::Worker { from, frame } => self.on_worker_frame(from, frame),
+            LinkEvent::Worker { from, generation, frame } => {
+                if self.members.get(&from).is_some_and(|m| m.generation != generation) {
+                    return Ok(()); // an earlier session's link
+                }
+                self.on_worker_frame(from, frame)
+            }
+            LinkEvent::Rejoin { joined, link } => {
+                self.rejoin(joined, link);
+                Ok(())
+            }
         }
+    }
+
+    /// A lost worker's restarted process said hello: it is welcomed under the next session,
+    /// and every other worker learns where that session listens (before any work can be
+    /// routed to it, which waits for its `SessionStarted` report). Its clock probes and its
+    /// `Ready` are answered as at the start. Anything else is refused: a worker still in the
+    /// run, one that left, a stranger, or any hello once the run is ending.
+    fn rejoin(&mut self, joined: JoinedWorker, link: Link) {
+        let worker = joined.worker;
+        let refuse = |why: &str| tracing::warn!(%worker, pid = joined.pid, "refused a hello during the run: {why}");
+        let Some(m) = self.members.get(&worker) else { return refuse("not a worker of this run") };
+        if self.shutting_down.is_some() {
+            return refuse("the run is ending");
+        }
+        if m.said_bye {
+            return refuse("it left the run");
+        }
+        if m.to.is_some() {
+            return refuse("its session is still in the run");
+        }
+        let generation = Generation(m.generation.0.saturating_add(1));
+        let to = open_link(worker, generation, link, &self.timing, &self.events_in);
+        if to.try_send(Frame::new(self.welcome.frame(generation))).is_err() {
+            return refuse("its link closed at once");
+        }
+        self.members.insert(worker, Member { to: Some(to), generation, said_bye: false });
+        let entry = PeerAddress { worker, generation, address: joined.listen.clone() };
+        match self.book.iter_mut().find(|p| p.worker == worker) {
+            Some(p) => *p = entry.clone(),
+            None => self.book.push(entry.clone()),
+        }
+        for w in self.members.keys().copied().collect::<Vec<_>>() {
+            if w != worker {
+                self.send(w, Frame::new(FrameBody::Peers { peers: vec![entry.clone()] }));
+            }
+        }
+        tracing::warn!(%worker, pid = joined.pid, "rejoined as session {}", generation.0);
     }
 
     fn on_worker_frame(&mut self, from: WorkerId, frame: Frame) -> Result<(), LiveError> {
@@ -465,9 +568,8 @@ impl FrontendRun {
             }
             Input::BootstrapTimer(request) => self.frontend.on_bootstrap_timer(request, &mut out),
             Input::FromWorker { from, message } => self.frontend.on_worker(at_ns, from, message, &mut out)?,
-            Input::WorkerLost(worker) => {
+            Input::WorkerLost(worker, generation) => {
                 self.frontend.worker_lost(at_ns, worker, &mut out);
-                let generation = self.members.get(&worker).map(|m| m.generation).unwrap_or(Generation(1));
                 for w in self.members.keys().copied().collect::<Vec<_>>() {
                     if w != worker {
                         self.send(w, Frame::new(FrameBody::WorkerLost { worker, generation }));
@@ -490,7 +592,8 @@ impl FrontendRun {
             let cause_ns = self.schedule.last_queued_ns();
             if !self.send(to, Frame::new(FrameBody::Stamped { at_ns, cause_ns, envelope })) {
                 // Work routed to a lost worker fails as the rest of its work did.
-                self.push(at_ns, Hold::Message, Input::WorkerLost(to))?;
+                let generation = self.members.get(&to).map_or(Generation(1), |m| m.generation);
+                self.push(at_ns, Hold::Message, Input::WorkerLost(to, generation))?;
             }
         }
         for e in out.ended {
@@ -520,6 +623,29 @@ impl FrontendRun {
         }
         true
     }
+}
+
+/// Starts a worker link's writer (with heartbeats) and reader; frames for it go to the sender.
+fn open_link(
+    worker: WorkerId,
+    generation: Generation,
+    link: Link,
+    timing: &LiveTiming,
+    events: &SyncSender<LinkEvent>,
+) -> mpsc::Sender<Frame> {
+    let (to, frames) = mpsc::channel(LINK_QUEUE_FRAMES);
+    let (sink, source) = link.split();
+    link::spawn_writer(sink, frames, timing.heartbeat_wall(), events.clone(), move |why| {
+        LinkEvent::WorkerGone { worker, generation, why }
+    });
+    link::spawn_reader(
+        source,
+        timing.silence_limit(),
+        events.clone(),
+        move |frame| LinkEvent::Worker { from: worker, generation, frame },
+        move |why| LinkEvent::WorkerGone { worker, generation, why },
+    );
+    to
 }
 
 /// Workers in slot order (prefill before decode, by index), after the frontend's own (0).

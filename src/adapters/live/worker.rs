@@ -238,6 +238,9 @@ struct Worker {
     peers: PeerLinks,
     /// The newest session known of each peer.
     generations: BTreeMap<WorkerId, Generation>,
+    /// The model instant the session starts at: 0 for the run's first sessions (the clock's
+    /// origin), the takeover's instant for a restarted worker.
+    start_ns: u64,
     step_queued: bool,
     flush_due: bool,
     flushed_at: Instant,
@@ -270,10 +273,13 @@ impl Worker {
         std::fs::create_dir_all(&options.out)
             .map_err(|e| LiveError::Io(format!("{}: {e}", options.out.display())))?;
         let path = options.out.join(stream_file_name(w));
-        if path.exists() {
+        let (stream, start_ns) = if join.generation > Generation(1) {
+            take_over_stream(&path, w, &join, &clock)?
+        } else if path.exists() {
             return Err(LiveError::Config(format!("{}: a stream of {w} is there already", path.display())));
-        }
-        let stream = StreamWriter::create(&path, &stream_header)?;
+        } else {
+            (StreamWriter::create(&path, &stream_header)?, 0)
+        };
         let node = WorkerNode::new(w, core, node_config(cfg, policy)).with_generation(join.generation);
         let (events_in, events) = sync_channel(EVENT_QUEUE);
         let (sink, source) = link.split();
@@ -311,6 +317,7 @@ impl Worker {
             frontend_writer: Some(frontend_writer),
             peers: PeerLinks { book: BTreeMap::new(), links: BTreeMap::new() },
             generations: BTreeMap::new(),
+            start_ns,
             step_queued: false,
             flush_due: false,
             flushed_at: Instant::now(),
@@ -324,7 +331,7 @@ impl Worker {
     fn run(&mut self) -> Result<WorkerSummary, LiveError> {
         let mut ready = Ready::default();
         self.node.start(&mut ready);
-        self.carry_out(0, ready)?;
+        self.carry_out(self.start_ns, ready)?;
         self.send_frontend(FrameBody::Ready);
         let mut arrived = Vec::new();
         loop {
@@ -725,6 +732,82 @@ impl Worker {
     }
 }
 
+/// Continues the stream of this worker's earlier session for a restarted process (the
+/// frontend welcomed it under a later generation). The stream must be this run's and this
+/// worker's; it is read whole and folded, so the successor knows what the dead session held;
+/// a torn tail (the kill cut a record) is cut off, any other damage refuses the takeover.
+/// The stream then records the loss (`SessionLost`, returning all of it to free, and
+/// `KvCleared`) at the model instant returned, which the new session starts at.
+fn take_over_stream(
+    path: &std::path::Path,
+    w: WorkerId,
+    join: &Join,
+    clock: &ModelClock,
+) -> Result<(StreamWriter<BufWriter<File>>, u64), LiveError> {
+    let shown = path.display();
+    if !path.exists() {
+        return Err(LiveError::Config(format!(
+            "{w} rejoins as session {}, but {shown} (its earlier sessions' stream) is not there: \
+             start it with the --out its first process had",
+            join.generation.0
+        )));
+    }
+    let mut reader = crate::events::StreamReader::open(path)?;
+    let header = reader.header().clone();
+    if header.run_id != join.run_id || header.worker != w {
+        return Err(LiveError::Config(format!(
+            "{shown}: the stream of {} in run {}, not of {w} in run {}",
+            header.worker, header.run_id, join.run_id
+        )));
+    }
+    let mut fold = crate::projections::worker::WorkerFold::new(&header).without_queues();
+    let mut lost = Generation(1);
+    while let Some(rec) = reader.next_record()? {
+        if let Fact::SessionStarted { generation } = rec.fact {
+            lost = generation;
+        }
+        // A contradiction is the dead session's own; the successor still starts clean.
+        let _ = fold.apply(&rec);
+    }
+    drop(reader);
+    if lost >= join.generation {
+        return Err(LiveError::Config(format!(
+            "{shown}: {w}'s stream already has session {}; the frontend welcomed it as {}",
+            lost.0, join.generation.0
+        )));
+    }
+    let (mut stream, torn) = StreamWriter::open_append(path)?;
+    if let Some(t) = torn {
+        tracing::warn!(worker = %w, "{shown}: cut the torn tail the dead session left ({} bytes at offset {})", t.bytes, t.offset);
+    }
+    let at_ns = clock.now_ns().max(stream.last_at_ns());
+    let kv = returned(&fold.capacity).map_err(|e| LiveError::Config(format!("{shown}: {e}")))?;
+    stream.append(at_ns, &Fact::SessionLost { generation: lost, kv })?;
+    stream.append(at_ns, &Fact::KvCleared)?;
+    Ok((stream, at_ns))
+}
+
+/// The delta that gives every held and cached block back to free, and every slot and
+/// headroom token back: what a dead process's pool becomes in its successor.
+fn returned(held: &crate::model::capacity::KvCapacitySnapshot) -> Result<crate::events::KvDelta, String> {
+    let count = |v: u64| i32::try_from(v).map_err(|_| format!("{v} blocks do not fit a delta"));
+    let (active, pinned, reserved, cached) = (
+        count(held.active_blocks)?,
+        count(held.pinned_source_blocks)?,
+        count(held.reserved_destination_blocks)?,
+        count(held.cached_free_blocks)?,
+    );
+    Ok(crate::events::KvDelta {
+        active: -active,
+        pinned_source: -pinned,
+        reserved_destination: -reserved,
+        cached_free: -cached,
+        free: active + pinned + reserved + cached,
+        slots: -count(held.request_slots_used)?,
+        headroom_tokens: -count(held.decode_headroom_tokens)?,
+    })
+}
+
 /// A fact after which the stream is flushed at once: the end of a request or of a handoff's
 /// hold on KV (what a post-mortem must not lose).
 fn ends_something(fact: &Fact) -> bool {
@@ -736,6 +819,7 @@ fn ends_something(fact: &Fact) -> bool {
             | Fact::ReservationReleased { .. }
             | Fact::DestinationActivated { .. }
             | Fact::HandoffCanceled { .. }
+            | Fact::SessionLost { .. }
     )
 }
 

@@ -291,4 +291,19 @@ pub struct WorkerLoss {
     pub by_peer: Vec<(String, u64)>,
     /// Requests placed on it that failed.
     pub failed_requests: u64,
+    /// A restarted process took over its stream (`SessionLost`): the run went on with it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub taken_over: Option<SessionTakeover>,
+}
+
+/// A lost session's successor, as its stream's `SessionLost` record says.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SessionTakeover {
+    pub at_ms: f64,
+    pub lost_generation: u32,
+    /// Blocks the dead session held (active, pinned, reserved), returned to free.
+    pub blocks_held: u64,
+    /// Cached blocks the dead session's cache had (gone with its process).
+    pub cached_blocks: u64,
+    pub slots_held: u64,
 }
