@@ -296,7 +296,9 @@ fn a_killed_worker_restarted_by_hand_takes_new_work_under_a_new_session() {
     let address = frontend_address(&out);
     let workers = joined(&out);
     let prefill = member(&workers, "prefill-0")["metrics"].as_str().unwrap().to_string();
-    wait_for_metrics(&prefill, Duration::from_secs(30), |m| sample(m, "handoff_kv_blocks{").is_some() && pinned(m) > 0.0);
+    wait_for_metrics(&prefill, Duration::from_secs(30), |m| {
+        sample(m, "handoff_kv_blocks{").is_some() && pinned(m) > 0.0
+    });
     kill_9(member(&workers, "decode-0")["pid"].as_u64().unwrap());
     // A hello while the old session still counts as in the run is refused: wait for the loss.
     let until = Instant::now() + Duration::from_secs(20);

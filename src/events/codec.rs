@@ -332,7 +332,6 @@ pub(crate) fn read_varint(bytes: &[u8], at: &mut usize) -> Result<u64, String> {
     Ok(u64::from_le_bytes(b))
 }
 
-
 /// Decodes one value from the head of `bytes`, returning it and the bytes it used (the rest
 /// is left unread: a reader can look at a leading field before trusting the whole).
 pub fn decode_prefix<T: DeserializeOwned>(bytes: &[u8]) -> Result<(T, usize), String> {

@@ -155,7 +155,10 @@ pub fn run(a: &LiveArgs) -> Result<u8, CliError> {
         );
     } else {
         // Said for the launched run too: a killed worker restarted by hand joins here.
-        eprintln!("handoff-log live: frontend listening on {address}; starting {} workers", workers_of_run.len());
+        eprintln!(
+            "handoff-log live: frontend listening on {address}; starting {} workers",
+            workers_of_run.len()
+        );
         let exe = std::env::current_exe()?;
         let plan =
             LaunchPlan { exe: &exe, frontend: address.clone(), out: a.out.clone(), metrics: a.metrics };
@@ -293,8 +296,11 @@ fn report_json(
         m.insert("workers".into(), serde_json::to_value(&outcome.summaries).unwrap_or_default());
         let lost: Vec<String> = outcome.lost.iter().map(|(w, why)| format!("{w}: {why}")).collect();
         m.insert("workers_lost".into(), lost.into());
-        let rejoined: Vec<String> =
-            outcome.rejoined.iter().map(|(w, why, g)| format!("{w}: {why}; rejoined as session {}", g.0)).collect();
+        let rejoined: Vec<String> = outcome
+            .rejoined
+            .iter()
+            .map(|(w, why, g)| format!("{w}: {why}; rejoined as session {}", g.0))
+            .collect();
         m.insert("workers_rejoined".into(), rejoined.into());
         let exits: Vec<String> = exits
             .iter()
@@ -342,7 +348,10 @@ fn live_lines(
         lines.push(format!("{w} was lost: {why}"));
     }
     for (w, why, generation) in &outcome.rejoined {
-        lines.push(format!("{w} was lost ({why}) and rejoined: session {} took over its stream and left drained", generation.0));
+        lines.push(format!(
+            "{w} was lost ({why}) and rejoined: session {} took over its stream and left drained",
+            generation.0
+        ));
     }
     for (w, status) in exits {
         match status {

@@ -85,10 +85,21 @@ pub struct FrontendOutcome {
 /// What reaches the loop from the links. Worker events carry the session of the link they
 /// came on: a restarted worker's old link may still report its end after the new one opened.
 enum LinkEvent {
-    Worker { from: WorkerId, generation: Generation, frame: Frame },
-    WorkerGone { worker: WorkerId, generation: Generation, why: String },
+    Worker {
+        from: WorkerId,
+        generation: Generation,
+        frame: Frame,
+    },
+    WorkerGone {
+        worker: WorkerId,
+        generation: Generation,
+        why: String,
+    },
     /// A worker said hello after the run began: a lost worker's restarted process.
-    Rejoin { joined: JoinedWorker, link: Link },
+    Rejoin {
+        joined: JoinedWorker,
+        link: Link,
+    },
     Interrupt,
 }
 
@@ -103,7 +114,10 @@ struct WelcomeParts {
 enum Input {
     Arrival,
     BootstrapTimer(RequestId),
-    FromWorker { from: WorkerId, message: ToFrontend },
+    FromWorker {
+        from: WorkerId,
+        message: ToFrontend,
+    },
     /// The worker's session `generation` is gone.
     WorkerLost(WorkerId, Generation),
 }
@@ -192,7 +206,9 @@ fn spawn_rejoin_accept(listener: TcpListener, events: SyncSender<LinkEvent>) {
                         let joined = JoinedWorker { worker, pid, listen, metrics };
                         let _ = events.send(LinkEvent::Rejoin { joined, link });
                     }
-                    Ok(other) => tracing::warn!(%peer, "refused a connection that did not say hello: {:?}", other.body),
+                    Ok(other) => {
+                        tracing::warn!(%peer, "refused a connection that did not say hello: {:?}", other.body)
+                    }
                     Err(e) => tracing::warn!("refused a connection during the run: {e}"),
                 }
             });
@@ -408,11 +424,11 @@ impl FrontendRun {
             m.to = None;
         }
         // A worker that came back and then left cleanly ended drained: its loss is told apart.
-        let (rejoined, lost): (Vec<_>, Vec<_>) = std::mem::take(&mut self.lost).into_iter().partition(|(w, _)| {
-            self.members.get(w).is_some_and(|m| m.said_bye && m.generation > Generation(1))
-        });
-        let rejoined =
-            rejoined.into_iter().map(|(w, why)| (w, why, self.members[&w].generation)).collect();
+        let (rejoined, lost): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.lost).into_iter().partition(|(w, _)| {
+                self.members.get(w).is_some_and(|m| m.said_bye && m.generation > Generation(1))
+            });
+        let rejoined = rejoined.into_iter().map(|(w, why)| (w, why, self.members[&w].generation)).collect();
         Ok(FrontendOutcome {
             summaries: std::mem::take(&mut self.summaries),
             lost,
@@ -463,7 +479,8 @@ impl FrontendRun {
     /// run, one that left, a stranger, or any hello once the run is ending.
     fn rejoin(&mut self, joined: JoinedWorker, link: Link) {
         let worker = joined.worker;
-        let refuse = |why: &str| tracing::warn!(%worker, pid = joined.pid, "refused a hello during the run: {why}");
+        let refuse =
+            |why: &str| tracing::warn!(%worker, pid = joined.pid, "refused a hello during the run: {why}");
         let Some(m) = self.members.get(&worker) else { return refuse("not a worker of this run") };
         if self.shutting_down.is_some() {
             return refuse("the run is ending");

@@ -72,10 +72,7 @@ impl LossWatch {
         let mut out: Vec<WorkerLoss> = self
             .taken_over
             .iter()
-            .map(|(w, stopped, t)| WorkerLoss {
-                taken_over: Some(t.clone()),
-                ..self.loss(*w, *stopped)
-            })
+            .map(|(w, stopped, t)| WorkerLoss { taken_over: Some(t.clone()), ..self.loss(*w, *stopped) })
             .collect();
         if unended.len() >= streams {
             return out;
@@ -93,12 +90,8 @@ impl LossWatch {
     /// What the run says about `w`'s loss (its peers' and the router's side; summed over the
     /// run when it was lost more than once).
     fn loss(&self, w: WorkerId, stopped_ns: u64) -> WorkerLoss {
-        let peers: Vec<(WorkerId, u64)> = self
-            .peer_lost
-            .iter()
-            .filter(|((lost, _), _)| *lost == w)
-            .map(|((_, by), n)| (*by, *n))
-            .collect();
+        let peers: Vec<(WorkerId, u64)> =
+            self.peer_lost.iter().filter(|((lost, _), _)| *lost == w).map(|((_, by), n)| (*by, *n)).collect();
         WorkerLoss {
             worker: w,
             stopped_at_ms: ms(stopped_ns),
