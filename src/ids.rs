@@ -237,7 +237,32 @@ pub struct KvHandoffDemand {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ClockDomain {
     Virtual,
+    /// A live process's wall clock (streams written before [`ClockDomain::WallSynced`]).
     Wall,
+    /// A live process's wall clock, with where its model clock's origin lies and how that was
+    /// set from the frontend's (appended: older streams keep reading as `Wall`).
+    WallSynced(WallClockSync),
+}
+
+impl ClockDomain {
+    /// Whether the stream's instants were read off a wall clock (a live run).
+    pub fn is_wall(self) -> bool {
+        !matches!(self, ClockDomain::Virtual)
+    }
+}
+
+/// How a live process's model clock relates to its system clock and to the frontend's. Kept
+/// for the post-mortem reader (how far apart two hosts' clocks were); no fold compares two
+/// processes' instants, so skew cannot make a run look different.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct WallClockSync {
+    /// Model instant 0 on this process's system clock, Unix nanoseconds.
+    pub origin_unix_ns: i64,
+    /// This process's system clock minus the frontend's, as its best clock probe estimated it
+    /// (the frontend's own stream: 0), ns.
+    pub offset_ns: i64,
+    /// Half that probe's round trip, the estimate's uncertainty (the frontend's own: 0), ns.
+    pub uncertainty_ns: u64,
 }
 
 /// Why a handoff, lease or reservation ended other than by success.

@@ -8,7 +8,7 @@
 mod support;
 
 use handoff_ledger::events::{verify_run, RunReader};
-use handoff_ledger::ids::{Role, WorkerId};
+use handoff_ledger::ids::{ClockDomain, Role, WorkerId};
 use handoff_ledger::projections::run::project_capacity;
 use serde_json::Value;
 use std::io::{Read, Write};
@@ -524,4 +524,26 @@ fn workers_started_by_hand_join_a_frontend_started_alone() {
     replay("traces/mooncake-200.jsonl", &args[..6], &rep);
     let (code, text) = diff(&out, &rep);
     assert_eq!(code, 0, "{text}");
+    clocks_agree_on_one_host(&out);
+}
+
+/// Every stream's header says how its clock was set. On one host all processes read one system
+/// clock, so each worker's estimated offset from the frontend's is within its probe's half
+/// round trip (plus a little for the moments between reading the two clocks), and every model origin lies
+/// within that of the frontend's.
+fn clocks_agree_on_one_host(out: &Path) {
+    let run = RunReader::open(out).unwrap();
+    let sync = |h: &handoff_ledger::events::StreamHeader| match h.clock {
+        ClockDomain::WallSynced(c) => c,
+        other => panic!("{}: clock {other:?}, not synced", h.worker),
+    };
+    let router = run.headers().iter().find(|h| h.worker == WorkerId::ROUTER).map(sync).unwrap();
+    assert_eq!((router.offset_ns, router.uncertainty_ns), (0, 0), "the frontend is the reference");
+    for h in run.headers().iter().filter(|h| h.worker != WorkerId::ROUTER) {
+        let c = sync(h);
+        let bound = c.uncertainty_ns as i64 + 2_000_000;
+        assert!(c.offset_ns.abs() <= bound, "{}: offset {} ns beyond ±{bound}", h.worker, c.offset_ns);
+        let origins = (c.origin_unix_ns - router.origin_unix_ns).abs();
+        assert!(origins <= bound, "{}: model origin {origins} ns from the frontend's", h.worker);
+    }
 }

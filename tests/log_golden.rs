@@ -17,8 +17,8 @@ use handoff_ledger::events::{
     StreamReader, StreamWriter, TerminalStatus,
 };
 use handoff_ledger::ids::{
-    Backend, ClockDomain, DestinationReservationId, EndReason, HandoffPolicy, KvHandoffDemand, RequestId,
-    SourceLeaseId, WorkerId,
+    Backend, ClockDomain, DestinationReservationId, EndReason, Generation, HandoffPolicy, KvHandoffDemand,
+    RequestId, SourceLeaseId, WallClockSync, WorkerId,
 };
 use std::path::PathBuf;
 use support::log::{golden_appended_facts, golden_facts, golden_header, ordinal, FACT_VARIANTS};
@@ -119,6 +119,39 @@ fn golden_v1_appended_variants_decode_unchanged() {
     let committed = std::fs::read(&path).unwrap();
     let first_diff = encoded.iter().zip(&committed).position(|(a, b)| a != b);
     assert_eq!((encoded.len(), first_diff), (committed.len(), None), "encoding differs from the golden file");
+}
+
+/// A live stream's header with its clock sync (`ClockDomain::WallSynced`, appended after the
+/// headers of `golden.hlog`), in both formats. Create the files once with
+/// `REGENERATE_GOLDEN_WALL=1` when appending.
+#[test]
+fn golden_wall_synced_headers_decode_unchanged() {
+    let clock = ClockDomain::WallSynced(WallClockSync {
+        origin_unix_ns: 1_796_159_372_600_913_010,
+        offset_ns: -3_729,
+        uncertainty_ns: 39_825,
+    });
+    let header = StreamHeader { clock, ..golden_header() };
+    let facts = [(0, Fact::SessionStarted { generation: Generation(1) }), (5, Fact::StreamEnded)];
+    for (format, dir) in [(LogFormat::V1, golden_dir()), (LogFormat::V2, golden_v2_dir())] {
+        let path = dir.join("wall-synced.hlog");
+        let mut w = StreamWriter::with_format(Vec::new(), &header, format).unwrap();
+        for (at, f) in &facts {
+            w.append(*at, f).unwrap();
+        }
+        let encoded = w.finish().unwrap();
+        if std::env::var("REGENERATE_GOLDEN_WALL").map(|v| v == "1").unwrap_or(false) {
+            std::fs::write(&path, &encoded).unwrap();
+        }
+        let mut r = StreamReader::open(&path).unwrap();
+        assert_eq!(r.header(), &header, "{}", path.display());
+        let mut got = Vec::new();
+        while let Some(rec) = r.next_record().unwrap() {
+            got.push((rec.at_ns, rec.fact));
+        }
+        assert_eq!(got, facts.to_vec());
+        assert_eq!(std::fs::read(&path).unwrap(), encoded, "{}: encoding differs", path.display());
+    }
 }
 
 // ----- the golden merged run -----

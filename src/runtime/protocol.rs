@@ -14,7 +14,7 @@ use crate::model::Request;
 use serde::{Deserialize, Serialize};
 
 /// The protocol version every envelope carries.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Who sent an envelope.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]

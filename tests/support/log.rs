@@ -6,7 +6,7 @@ use handoff_ledger::events::{
 };
 use handoff_ledger::ids::{
     Backend, CancelReason, ClockDomain, DestinationReservationId, EndReason, Generation, HandoffId,
-    HandoffPolicy, KvHandoffDemand, RequestId, Role, SourceLeaseId, WorkerId,
+    HandoffPolicy, KvHandoffDemand, RequestId, Role, SourceLeaseId, WallClockSync, WorkerId,
 };
 use proptest::prelude::*;
 use uuid::Uuid;
@@ -320,7 +320,15 @@ pub fn any_header() -> impl Strategy<Value = StreamHeader> {
         worker(),
         prop_oneof![Just(Backend::Vllm), Just(Backend::Sglang), Just(Backend::TrtLlm)],
         policy(),
-        prop_oneof![Just(ClockDomain::Virtual), Just(ClockDomain::Wall)],
+        prop_oneof![
+            Just(ClockDomain::Virtual),
+            Just(ClockDomain::Wall),
+            (any::<i64>(), any::<i64>(), any::<u64>()).prop_map(
+                |(origin_unix_ns, offset_ns, uncertainty_ns)| {
+                    ClockDomain::WallSynced(WallClockSync { origin_unix_ns, offset_ns, uncertainty_ns })
+                }
+            ),
+        ],
         any::<u64>(),
         any::<[u32; 3]>(),
         ".{0,40}",

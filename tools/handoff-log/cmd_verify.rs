@@ -3,9 +3,25 @@
 
 use crate::out::Out;
 use crate::CliError;
+use handoff_ledger::ids::{ClockDomain, Role, WallClockSync, WorkerId};
 use handoff_ledger::projections::run::{verify_consistent, ProjectError};
 use serde_json::json;
 use std::path::PathBuf;
+
+/// Where a live process's model time began, and how far its system clock was from the
+/// frontend's (nothing folds across processes' clocks; this is for the reader).
+fn clock_text(worker: WorkerId, c: &WallClockSync) -> String {
+    let origin = chrono::DateTime::from_timestamp_nanos(c.origin_unix_ns);
+    let origin = origin.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+    if worker.role == Role::Router {
+        return format!("  {worker}: wall clock, model time 0 at {origin} (the frontend's clock, which the workers' probes read)");
+    }
+    format!(
+        "  {worker}: wall clock, model time 0 at {origin}; system clock {:+.3} ms from the frontend's (±{:.3} ms)",
+        c.offset_ns as f64 / 1e6,
+        c.uncertainty_ns as f64 / 1e6
+    )
+}
 
 pub fn run(logs: &[PathBuf], json_out: bool) -> Result<u8, CliError> {
     let mut out = Out::new();
@@ -22,7 +38,7 @@ pub fn run(logs: &[PathBuf], json_out: bool) -> Result<u8, CliError> {
                     let streams: Vec<_> = s
                         .streams
                         .iter()
-                        .map(|st| json!({"worker": st.header.worker, "records": st.records}))
+                        .map(|st| json!({"worker": st.header.worker, "records": st.records, "clock": st.header.clock}))
                         .collect();
                     let unended: Vec<String> = s.unended.iter().map(|w| w.to_string()).collect();
                     out.line(
@@ -41,6 +57,11 @@ pub fn run(logs: &[PathBuf], json_out: bool) -> Result<u8, CliError> {
                     ))?;
                     if !s.unended.is_empty() {
                         out.line(&format!("{}: {}", path.display(), incomplete_text(&s.unended)))?;
+                    }
+                    for st in &s.streams {
+                        if let ClockDomain::WallSynced(c) = st.header.clock {
+                            out.line(&clock_text(st.header.worker, &c))?;
+                        }
                     }
                     for (p, t) in &s.torn_tails {
                         out.line(&format!(

@@ -47,10 +47,28 @@ impl ModelClock {
         self.model_at(Instant::now()).max(0) as u64
     }
 
+    /// Model instant 0 on the system clock, Unix nanoseconds.
+    pub fn origin_unix_ns(&self) -> i64 {
+        let (now, system) = (Instant::now(), unix_now_ns());
+        if now >= self.origin {
+            system - now.duration_since(self.origin).as_nanos() as i64
+        } else {
+            system + self.origin.duration_since(now).as_nanos() as i64
+        }
+    }
+
     /// The wall instant at which model time reaches `model_ns`.
     pub fn wall_at(&self, model_ns: u64) -> Instant {
         let wall_ns = (model_ns as f64 * self.scale).min(u64::MAX as f64 / 2.0);
         self.origin + Duration::from_nanos(wall_ns as u64)
+    }
+}
+
+/// The system clock now, Unix nanoseconds (negative before 1970, as a broken clock may be).
+pub fn unix_now_ns() -> i64 {
+    match std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        Ok(d) => d.as_nanos() as i64,
+        Err(e) => -(e.duration().as_nanos() as i64),
     }
 }
 

@@ -17,7 +17,7 @@ use crate::adapters::replay::config::ReplayConfig;
 use crate::adapters::replay::engine::{build_frontend, header, make_core};
 use crate::adapters::replay::workload::Workload;
 use crate::events::{layout::stream_file_name, EngineShape, Fact, StreamWriter};
-use crate::ids::{ClockDomain, Generation, RequestId, WorkerId};
+use crate::ids::{ClockDomain, Generation, RequestId, WallClockSync, WorkerId};
 use crate::projections::compare::RunDescription;
 use crate::runtime::{Body, Endpoint, Envelope, Frontend, FrontendReady, ToFrontend};
 use futures_util::StreamExt;
@@ -169,11 +169,14 @@ async fn join(listener: TcpListener, mut setup: FrontendSetup) -> Result<Fronten
     }
     let list: Vec<JoinedWorker> = joined.iter().map(|(j, _)| j.clone()).collect();
     (std::mem::replace(&mut setup.on_joined, Box::new(|_| {})))(&list);
+    let clock = ModelClock::new(Instant::now() + START_LEAD, setup.timing.time_scale);
     let router_shape = EngineShape { config_json: setup.description.to_json(), ..EngineShape::none() };
-    let router_header = header(setup.run_id, WorkerId::ROUTER, &cfg, policy, router_shape, ClockDomain::Wall);
+    // The frontend's clock is the reference the workers' probes read.
+    let sync = WallClockSync { origin_unix_ns: clock.origin_unix_ns(), offset_ns: 0, uncertainty_ns: 0 };
+    let router_header =
+        header(setup.run_id, WorkerId::ROUTER, &cfg, policy, router_shape, ClockDomain::WallSynced(sync));
     let path = setup.out.join(stream_file_name(WorkerId::ROUTER));
     let stream = StreamWriter::create(&path, &router_header)?;
-    let clock = ModelClock::new(Instant::now() + START_LEAD, setup.timing.time_scale);
     FrontendRun::new(setup, frontend, clock, stream, joined, listener, welcome)
 }
 
@@ -514,7 +517,8 @@ impl FrontendRun {
         match frame.body {
             FrameBody::Probe { id } => {
                 let model_ns = self.clock.model_at(Instant::now());
-                self.send(from, Frame::new(FrameBody::ProbeAnswer { id, model_ns }));
+                let unix_ns = super::clock::unix_now_ns();
+                self.send(from, Frame::new(FrameBody::ProbeAnswer { id, model_ns, unix_ns }));
                 Ok(())
             }
             FrameBody::Ready => {

@@ -42,12 +42,7 @@ pub struct WorkerSummary {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum FrameBody {
     /// Worker → frontend, first frame: who it is and where peers reach it.
-    Hello {
-        worker: WorkerId,
-        listen: String,
-        metrics: Option<String>,
-        pid: u32,
-    },
+    Hello { worker: WorkerId, listen: String, metrics: Option<String>, pid: u32 },
     /// Frontend → worker: accepted into the run under `generation`, with the run's
     /// configuration (JSON of the replay configuration) and timing.
     Welcome {
@@ -59,47 +54,32 @@ pub enum FrameBody {
         trace_json: String,
     },
     /// Worker → frontend: a clock probe; the frontend answers with its model time.
-    Probe {
-        id: u32,
-    },
+    Probe { id: u32 },
     ProbeAnswer {
         id: u32,
         model_ns: i64,
+        /// The frontend's system clock as it answered, Unix ns (for the skew estimate).
+        unix_ns: i64,
     },
     /// Worker → frontend: the clock is set and the stream is open.
     Ready,
     /// Frontend → worker: the address book (sent again when a worker rejoins).
-    Peers {
-        peers: Vec<PeerAddress>,
-    },
+    Peers { peers: Vec<PeerAddress> },
     /// First frame on a worker → worker connection.
-    PeerHello {
-        run_id: uuid::Uuid,
-        worker: WorkerId,
-        generation: Generation,
-    },
+    PeerHello { run_id: uuid::Uuid, worker: WorkerId, generation: Generation },
     /// A protocol envelope, stamped with the model instant its sender handled it at;
     /// `cause_ns` is the instant at which the input that produced it was queued there (the
     /// frontend breaks ties of one instant by it, as the replay's queue does).
-    Stamped {
-        at_ns: u64,
-        cause_ns: u64,
-        envelope: Envelope,
-    },
+    Stamped { at_ns: u64, cause_ns: u64, envelope: Envelope },
     /// Keeps a quiet link alive (and tells a silent one from a slow one).
     Heartbeat,
     /// Frontend → worker: the run is over; finish, close the stream and leave.
     Shutdown,
     /// Worker → frontend: its stream is closed; the last frame of a worker.
-    Bye {
-        summary: WorkerSummary,
-    },
+    Bye { summary: WorkerSummary },
     /// Frontend → workers: a worker's session ended without a word (its process died or
     /// went silent); each side reclaims what it holds for it.
-    WorkerLost {
-        worker: WorkerId,
-        generation: Generation,
-    },
+    WorkerLost { worker: WorkerId, generation: Generation },
 }
 
 /// Where a worker listens for its peers.

@@ -22,7 +22,7 @@ use crate::adapters::replay::engine::{header, make_core, node_config};
 use crate::adapters::replay::transfer::{TransferConfig, TransferModel};
 use crate::events::MessageRejection;
 use crate::events::{layout::stream_file_name, EngineShape, Fact, StreamWriter};
-use crate::ids::{Backend, CancelReason, ClockDomain, Generation, HandoffId, WorkerId};
+use crate::ids::{Backend, CancelReason, ClockDomain, Generation, HandoffId, WallClockSync, WorkerId};
 use crate::lifecycle::messages::HandoffMessage;
 use crate::runtime::{
     Body, DeferredCommand, Endpoint, Envelope, NodeTimer, Output, Ready, StepPlan, ToWorker, WorkerNode,
@@ -107,8 +107,8 @@ async fn join(options: WorkerOptions) -> Result<Worker, LiveError> {
     link::send_frame(&mut link, hello, &peer).await?;
     let join = join_run(&mut link, &peer).await?;
     let mut early = Vec::new();
-    let (clock, uncertainty_us) = probe_clock(&mut link, &join.timing, &peer, &mut early).await?;
-    let mut worker = Worker::new(&options, join, clock, uncertainty_us, link, listener, metrics_listener)?;
+    let (clock, sync) = probe_clock(&mut link, &join.timing, &peer, &mut early).await?;
+    let mut worker = Worker::new(&options, join, clock, sync, link, listener, metrics_listener)?;
     for frame in early {
         worker.on_frontend_frame(frame)?;
     }
@@ -159,21 +159,26 @@ async fn join_run(link: &mut Link, peer: &str) -> Result<Join, LiveError> {
 }
 
 /// Sets the model clock from the frontend's answers: the probe with the shortest round trip,
-/// its answer taken as read halfway through. Returns the clock and half that round trip.
+/// its answer taken as read halfway through. Returns the clock and how it was set (this
+/// process's system clock against the frontend's, from the same probe, for the header).
 async fn probe_clock(
     link: &mut Link,
     timing: &LiveTiming,
     peer: &str,
     early: &mut Vec<Frame>,
-) -> Result<(ModelClock, u64), LiveError> {
-    let mut best: Option<(Duration, Instant, i64)> = None;
+) -> Result<(ModelClock, WallClockSync), LiveError> {
+    // Per probe: its round trip, the local instant and system time halfway, the answer.
+    let mut best: Option<(Duration, Instant, i64, i64, i64)> = None;
     for id in 0..PROBES {
         let sent = Instant::now();
+        let sent_unix_ns = super::clock::unix_now_ns();
         link::send_frame(link, FrameBody::Probe { id }, peer).await?;
-        let (received, answered, model_ns) = loop {
+        let (received, answered, model_ns, unix_ns) = loop {
             let frame = link::next_frame(link, Duration::from_secs(10), peer).await?;
             match frame.body {
-                FrameBody::ProbeAnswer { id, model_ns } => break (Instant::now(), id, model_ns),
+                FrameBody::ProbeAnswer { id, model_ns, unix_ns } => {
+                    break (Instant::now(), id, model_ns, unix_ns)
+                }
                 // The run may begin while this worker still probes: what came meanwhile is
                 // handled once the loop runs.
                 _ => early.push(frame),
@@ -186,12 +191,20 @@ async fn probe_clock(
             });
         }
         let round_trip = received - sent;
-        if best.map_or(true, |(b, _, _)| round_trip < b) {
-            best = Some((round_trip, sent + round_trip / 2, model_ns));
+        if best.map_or(true, |(b, ..)| round_trip < b) {
+            let halfway_unix_ns = sent_unix_ns + (round_trip / 2).as_nanos() as i64;
+            best = Some((round_trip, sent + round_trip / 2, model_ns, halfway_unix_ns, unix_ns));
         }
     }
-    let (round_trip, at, model_ns) = best.ok_or_else(|| LiveError::Runtime("no clock probe".into()))?;
-    Ok((ModelClock::reading(at, model_ns, timing.time_scale), (round_trip / 2).as_micros() as u64))
+    let (round_trip, at, model_ns, halfway_unix_ns, answer_unix_ns) =
+        best.ok_or_else(|| LiveError::Runtime("no clock probe".into()))?;
+    let clock = ModelClock::reading(at, model_ns, timing.time_scale);
+    let sync = WallClockSync {
+        origin_unix_ns: clock.origin_unix_ns(),
+        offset_ns: halfway_unix_ns - answer_unix_ns,
+        uncertainty_ns: (round_trip / 2).as_nanos() as u64,
+    };
+    Ok((clock, sync))
 }
 
 /// What reaches the worker's loop from its links.
@@ -256,7 +269,7 @@ impl Worker {
         options: &WorkerOptions,
         join: Join,
         clock: ModelClock,
-        uncertainty_us: u64,
+        sync: WallClockSync,
         link: Link,
         listener: TcpListener,
         metrics: Option<TcpListener>,
@@ -269,7 +282,7 @@ impl Worker {
         if shape.config_json.is_empty() {
             shape.config_json = join.trace_json.clone();
         }
-        let stream_header = header(join.run_id, w, cfg, policy, shape, ClockDomain::Wall);
+        let stream_header = header(join.run_id, w, cfg, policy, shape, ClockDomain::WallSynced(sync));
         std::fs::create_dir_all(&options.out)
             .map_err(|e| LiveError::Io(format!("{}: {e}", options.out.display())))?;
         let path = options.out.join(stream_file_name(w));
@@ -301,7 +314,8 @@ impl Worker {
             tokio::spawn(super::metrics::serve(l, state.clone()));
             state
         });
-        let summary = WorkerSummary { clock_uncertainty_us: uncertainty_us, ..WorkerSummary::default() };
+        let summary =
+            WorkerSummary { clock_uncertainty_us: sync.uncertainty_ns / 1_000, ..WorkerSummary::default() };
         Ok(Worker {
             id: w,
             run_id: join.run_id,
