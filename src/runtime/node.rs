@@ -65,7 +65,9 @@ const REMEMBERED_ENDED: usize = 1 << 13;
 #[derive(Clone, Copy, Debug)]
 pub struct NodeConfig {
     pub policy: HandoffPolicy,
-    /// The source lease (and how far a renewal moves it).
+    /// The source lease. A renewal moves its deadline to now + two thirds of it, as vLLM's
+    /// lease design does (a heartbeat every sixth of the lease keeps it alive through missed
+    /// ones; a dead destination's pin lasts at most two thirds of a lease after its last).
     pub lease_ns: u64,
     /// How long a destination reservation waits for its transfer.
     pub reservation_ns: u64,
@@ -75,6 +77,13 @@ pub struct NodeConfig {
     /// Tell the frontend of every KV block stored or removed (its routers keep a KV index
     /// only when they route by KV overlap).
     pub publish_kv_events: bool,
+}
+
+impl NodeConfig {
+    /// How far past a renewal's instant it moves the source's deadline.
+    pub fn renewal_extension_ns(&self) -> u64 {
+        (self.lease_ns / 3).saturating_mul(2)
+    }
 }
 
 /// A core command of this node.
@@ -684,7 +693,10 @@ impl WorkerNode {
             generation: self.generation,
             destination: destination.map(|p| p.worker),
             destination_generation: destination.map(|p| p.generation),
-            config: SourceConfig { lease_ns: self.config.lease_ns, renew_ns: self.config.lease_ns },
+            config: SourceConfig {
+                lease_ns: self.config.lease_ns,
+                renew_ns: self.config.renewal_extension_ns(),
+            },
         })
         .map_err(|e| RuntimeError(e.to_string()))?;
         ready.facts.extend(machine.start_facts());

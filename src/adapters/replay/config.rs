@@ -55,7 +55,8 @@ pub struct ReplayConfig {
     /// Source lease (vLLM's abort timeout, default 480 s).
     pub lease_ms: u64,
     /// When set, the destination renews the source lease every `lease_renew_ms` while it
-    /// waits, each renewal extending the deadline to now + `lease_ms` (vLLM's later lease mode).
+    /// waits, each renewal extending the deadline to now + ⅔·`lease_ms` (vLLM's lease design:
+    /// `lease_ms` 30000 with a renewal every sixth of it, `fixtures/configs/vllm-lease.json`).
     pub lease_renew_ms: Option<u64>,
     /// Destination reservation deadline after it is reserved (SGLang's waiting timeout, 300 s).
     pub reservation_timeout_ms: u64,
@@ -313,8 +314,13 @@ impl ReplayConfig {
             ));
         }
         if let Some(r) = self.lease_renew_ms {
-            if r == 0 || r >= self.lease_ms {
-                return bad(format!("lease_renew_ms ({r}) must be > 0 and < lease_ms ({})", self.lease_ms));
+            // A renewal reaches the source a moment after it is sent: one that came only at
+            // the deadline it extends would come too late.
+            if r == 0 || r >= self.lease_ms / 3 * 2 {
+                return bad(format!(
+                    "lease_renew_ms ({r}) must be > 0 and less than the ⅔ of lease_ms ({}) each renewal extends the lease by",
+                    self.lease_ms
+                ));
             }
         }
         if self.reservation_timeout_ms == 0 || self.bootstrap_timeout_ms == 0 {
