@@ -393,3 +393,81 @@ mod tests {
         assert_ne!(IdMint::from_seed(8).handoff_id(), ids[0]);
     }
 }
+
+/// Where each worker sits in a small table kept sorted by worker, found in O(1). Writers and
+/// folds look the worker of every record up; a binary search over `WorkerId` (three fields,
+/// branches the predictor cannot learn when streams interleave) cost more than the work it
+/// led to. Rebuilt whenever the table changes (a stream added: rare).
+#[derive(Clone, Debug, Default)]
+pub struct WorkerSlots {
+    /// Per role, per index (below [`WorkerSlots::DENSE_INDEX`], rank 0): the position + 1,
+    /// 0 when absent.
+    dense: [Vec<u32>; 4],
+    /// Everyone else (high indices, data-parallel ranks).
+    other: std::collections::BTreeMap<WorkerId, u32>,
+}
+
+impl WorkerSlots {
+    /// Indices below this are found by direct lookup (bounded, so a hostile index cannot
+    /// make the table large).
+    pub const DENSE_INDEX: u32 = 1024;
+
+    /// The table for `workers`, in their order.
+    pub fn rebuild(&mut self, workers: impl IntoIterator<Item = WorkerId>) {
+        for v in &mut self.dense {
+            v.clear();
+        }
+        self.other.clear();
+        for (i, w) in workers.into_iter().enumerate() {
+            let at = i as u32 + 1;
+            if w.dp_rank == 0 && w.index < Self::DENSE_INDEX {
+                let v = &mut self.dense[w.role as usize];
+                if v.len() <= w.index as usize {
+                    v.resize(w.index as usize + 1, 0);
+                }
+                v[w.index as usize] = at;
+            } else {
+                self.other.insert(w, at);
+            }
+        }
+    }
+
+    /// `w`'s position, if it is in the table.
+    #[inline]
+    pub fn get(&self, w: WorkerId) -> Option<usize> {
+        let at = if w.dp_rank == 0 && w.index < Self::DENSE_INDEX {
+            self.dense[w.role as usize].get(w.index as usize).copied().unwrap_or(0)
+        } else {
+            self.other.get(&w).copied().unwrap_or(0)
+        };
+        (at as usize).checked_sub(1)
+    }
+}
+
+#[cfg(test)]
+mod worker_slots_tests {
+    use super::*;
+
+    #[test]
+    fn slots_find_every_worker_and_nothing_else() {
+        let workers = [
+            WorkerId::ROUTER,
+            WorkerId::prefill(0),
+            WorkerId::prefill(3),
+            WorkerId::decode(1),
+            WorkerId { role: Role::Decode, index: 1, dp_rank: 2 },
+            WorkerId::decode(5000),
+        ];
+        let mut s = WorkerSlots::default();
+        s.rebuild(workers);
+        for (i, w) in workers.iter().enumerate() {
+            assert_eq!(s.get(*w), Some(i), "{w}");
+        }
+        for w in [WorkerId::prefill(1), WorkerId::decode(0), WorkerId::decode(4999), WorkerId::prefill(5000)]
+        {
+            assert_eq!(s.get(w), None, "{w}");
+        }
+        s.rebuild([WorkerId::decode(1)]);
+        assert_eq!((s.get(WorkerId::decode(1)), s.get(WorkerId::ROUTER)), (Some(0), None));
+    }
+}

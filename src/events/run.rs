@@ -43,7 +43,7 @@ use super::reader::truncate;
 use super::segment::SegmentReader;
 use super::writer::StreamWriter;
 use super::{Fact, Record, StreamHeader};
-use crate::ids::{HandoffId, WorkerId};
+use crate::ids::{HandoffId, WorkerId, WorkerSlots};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::fs::{self, File};
@@ -444,8 +444,8 @@ pub struct RunWriter {
     headers: BTreeMap<WorkerId, StreamHeader>,
     /// Open streams, sorted by worker.
     streams: Vec<(WorkerId, StreamWriter<BufWriter<File>>)>,
-    /// The stream appended to last: a step's records come in runs for one worker.
-    last: usize,
+    /// Where each open stream is in `streams`.
+    slots: WorkerSlots,
     format: LogFormat,
 }
 
@@ -478,7 +478,7 @@ impl RunWriter {
             dir: dir.to_path_buf(),
             headers: BTreeMap::new(),
             streams: Vec::new(),
-            last: 0,
+            slots: WorkerSlots::default(),
             format,
         };
         for h in headers {
@@ -529,8 +529,8 @@ impl RunWriter {
 
     /// `worker`'s stream, creating its file on first use.
     pub fn stream(&mut self, worker: WorkerId) -> Result<&mut StreamWriter<BufWriter<File>>, LogError> {
-        if self.streams.get(self.last).is_some_and(|(w, _)| *w == worker) {
-            return Ok(&mut self.streams[self.last].1);
+        if let Some(i) = self.slots.get(worker) {
+            return Ok(&mut self.streams[i].1);
         }
         let i = match self.streams.binary_search_by_key(&worker, |(w, _)| *w) {
             Ok(i) => i,
@@ -546,10 +546,10 @@ impl RunWriter {
                 )?;
                 w.flush()?;
                 self.streams.insert(i, (worker, w));
+                self.slots.rebuild(self.streams.iter().map(|(w, _)| *w));
                 i
             }
         };
-        self.last = i;
         Ok(&mut self.streams[i].1)
     }
 

@@ -37,7 +37,7 @@ pub use report::MetricsReport;
 pub use slo::{Slo, SLO_KEYS};
 
 use crate::events::{Fact, Record, StreamHeader, TerminalStatus};
-use crate::ids::{HandoffId, RequestId, Role, WorkerId};
+use crate::ids::{HandoffId, RequestId, Role, WorkerId, WorkerSlots};
 use crate::projections::distribution::Distribution;
 use crate::units::{ms, NS_PER_MS_F64};
 use std::collections::BTreeMap;
@@ -94,7 +94,8 @@ pub struct MetricsFold {
     run_seed: u64,
     /// Per-stream state, sorted by worker (looked up once per record: see `stream_index`).
     streams: Vec<(WorkerId, StreamState)>,
-    last_stream: usize,
+    /// Where each worker is in `streams`.
+    slots: WorkerSlots,
     in_flight: BTreeMap<RequestId, InFlight>,
     handoff_request: BTreeMap<HandoffId, RequestId>,
     arrivals: u64,
@@ -172,11 +173,12 @@ impl MetricsFold {
         self.streams[i].1.role = Some(header.worker.role);
     }
 
-    /// Where `worker`'s state is, added if new. Records come in runs per worker, so the last
-    /// answer is checked first.
+    /// Where `worker`'s state is, added if new (kept sorted by worker, so the report sums
+    /// streams in one order however they arrived).
+    #[inline]
     fn stream_index(&mut self, worker: WorkerId) -> usize {
-        if self.streams.get(self.last_stream).is_some_and(|(w, _)| *w == worker) {
-            return self.last_stream;
+        if let Some(i) = self.slots.get(worker) {
+            return i;
         }
         let i = match self.streams.binary_search_by_key(&worker, |(w, _)| *w) {
             Ok(i) => i,
@@ -185,7 +187,7 @@ impl MetricsFold {
                 i
             }
         };
-        self.last_stream = i;
+        self.slots.rebuild(self.streams.iter().map(|(w, _)| *w));
         i
     }
 
