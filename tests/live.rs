@@ -254,19 +254,30 @@ fn live_runs_are_equivalent_to_their_replays() {
     );
 }
 
+/// The cascade under short leases, live on `backend` at `scale` with metrics: its directory
+/// (kept while the guard lives), the run directory, the launcher, and the joined workers.
+fn start_cascade(backend: &str, scale: &str) -> (tempfile::TempDir, PathBuf, Child, Vec<Value>) {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("run");
+    let config = fixture("configs/cascade-short-lease.json").display().to_string();
+    let args = ["--config", &config, "--backend", backend, "--metrics"];
+    let child = start_live("traces/cascade.jsonl", &args, &out, scale);
+    let workers = joined(&out);
+    (t, out, child, workers)
+}
+
+/// Where `name` serves its metrics.
+fn metrics_of(workers: &[Value], name: &str) -> String {
+    member(workers, name)["metrics"].as_str().unwrap().to_string()
+}
+
 /// kill -9 of `victim` (vLLM, cascade with short leases) once prefill-0's metrics say `ready`:
 /// the run ends not drained, naming the lost worker; every request ends; no survivor holds a
 /// block, slot or booking; inspect names the loss.
 fn kill_and_check(victim: &str, ready: impl Fn(&str) -> bool) {
     let _turn = turn();
-    let t = tempfile::tempdir().unwrap();
-    let out = t.path().join("run");
-    let config = fixture("configs/cascade-short-lease.json").display().to_string();
-    let args = ["--config", &config, "--backend", "vllm", "--metrics"];
-    let mut child = start_live("traces/cascade.jsonl", &args, &out, "0.05");
-    let workers = joined(&out);
-    let prefill = member(&workers, "prefill-0")["metrics"].as_str().unwrap().to_string();
-    wait_for_metrics(&prefill, Duration::from_secs(30), ready);
+    let (_dir, out, mut child, workers) = start_cascade("vllm", "0.05");
+    wait_for_metrics(&metrics_of(&workers, "prefill-0"), Duration::from_secs(30), ready);
     kill_9(member(&workers, victim)["pid"].as_u64().unwrap());
     let status = wait(&mut child, Duration::from_secs(90), &format!("live after kill -9 of {victim}"));
     let err = stderr_of(&out);
@@ -288,16 +299,10 @@ fn kill_and_check(victim: &str, ready: impl Fn(&str) -> bool) {
 #[test]
 fn a_killed_worker_restarted_by_hand_takes_new_work_under_a_new_session() {
     let _turn = turn();
-    let t = tempfile::tempdir().unwrap();
-    let out = t.path().join("run");
-    let config = fixture("configs/cascade-short-lease.json").display().to_string();
-    let args = ["--config", &config, "--backend", "vllm", "--metrics"];
     // At 0.1 the trace's arrivals span 2.4 s of wall time: room for the restart to get work.
-    let mut child = start_live("traces/cascade.jsonl", &args, &out, "0.1");
+    let (_dir, out, mut child, workers) = start_cascade("vllm", "0.1");
     let address = frontend_address(&out);
-    let workers = joined(&out);
-    let prefill = member(&workers, "prefill-0")["metrics"].as_str().unwrap().to_string();
-    wait_for_metrics(&prefill, Duration::from_secs(30), |m| {
+    wait_for_metrics(&metrics_of(&workers, "prefill-0"), Duration::from_secs(30), |m| {
         sample(m, "handoff_kv_blocks{").is_some() && pinned(m) > 0.0
     });
     kill_9(member(&workers, "decode-0")["pid"].as_u64().unwrap());
@@ -362,14 +367,8 @@ fn pinned(metrics: &str) -> f64 {
 #[test]
 fn killing_the_launcher_leaves_no_worker_behind() {
     let _turn = turn();
-    let t = tempfile::tempdir().unwrap();
-    let out = t.path().join("run");
-    let config = fixture("configs/cascade-short-lease.json").display().to_string();
-    let args = ["--config", &config, "--backend", "sglang", "--metrics"];
-    let mut child = start_live("traces/cascade.jsonl", &args, &out, "0.05");
-    let workers = joined(&out);
-    let decode = member(&workers, "decode-0")["metrics"].as_str().unwrap().to_string();
-    wait_for_metrics(&decode, Duration::from_secs(30), |m| {
+    let (_dir, out, mut child, workers) = start_cascade("sglang", "0.05");
+    wait_for_metrics(&metrics_of(&workers, "decode-0"), Duration::from_secs(30), |m| {
         sample(m, "handoff_num_requests_running{").unwrap_or(0.0) > 0.0
     });
     kill_9(u64::from(child.id()));

@@ -275,31 +275,22 @@ pub fn text(r: &InspectReport, path: &Path) -> String {
     // --- lost workers ---
     for l in &r.workers_lost {
         let peers: Vec<String> = l.by_peer.iter().map(|(p, n)| format!("{p} {n}")).collect();
-        if let Some(t) = &l.taken_over {
-            line(format!(
-                "WORKER LOST AND RESTARTED: {}'s session {} stops at {:.3} ms (the process died or its links broke); a restarted process took over its stream at {:.3} ms under a new session and recorded what the dead one held: {} blocks in use, {} cached, {} request slots, all returned to free. Its peers ended {} handoff roles shared with it on their own (peer lost{}), and {} requests placed on it failed.",
-                l.worker,
-                t.lost_generation,
-                l.stopped_at_ms,
-                t.at_ms,
-                t.blocks_held,
-                t.cached_blocks,
-                t.slots_held,
-                l.peer_roles_ended,
-                if peers.is_empty() { String::new() } else { format!(": {}", peers.join(", ")) },
-                l.failed_requests
-            ));
-            line(String::new());
-            continue;
-        }
-        line(format!(
-            "WORKER LOST: {}'s stream stops at {:.3} ms without its end marker, while the run went on (the process died or its links broke); its peers ended {} handoff roles shared with it on their own (peer lost{}), and {} requests placed on it failed.",
-            l.worker,
-            l.stopped_at_ms,
+        let aftermath = format!(
+            "its peers ended {} handoff roles shared with it on their own (peer lost{}), and {} requests placed on it failed.",
             l.peer_roles_ended,
             if peers.is_empty() { String::new() } else { format!(": {}", peers.join(", ")) },
             l.failed_requests
-        ));
+        );
+        line(match &l.taken_over {
+            Some(t) => format!(
+                "WORKER LOST AND RESTARTED: {}'s session {} stops at {:.3} ms (the process died or its links broke); a restarted process took over its stream at {:.3} ms under a new session and recorded what the dead one held: {} blocks in use, {} cached, {} request slots, all returned to free. Before that, {aftermath}",
+                l.worker, t.lost_generation, l.stopped_at_ms, t.at_ms, t.blocks_held, t.cached_blocks, t.slots_held
+            ),
+            None => format!(
+                "WORKER LOST: {}'s stream stops at {:.3} ms without its end marker, while the run went on (the process died or its links broke); {aftermath}",
+                l.worker, l.stopped_at_ms
+            ),
+        });
         line(String::new());
     }
 

@@ -195,27 +195,16 @@ impl WelcomeParts {
 /// Keeps accepting once the run began: a lost worker's restarted process says hello here
 /// (anything else is refused, as before the run).
 fn spawn_rejoin_accept(listener: TcpListener, events: SyncSender<LinkEvent>) {
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, address)) = listener.accept().await else { continue };
-            let _ = stream.set_nodelay(true);
-            let events = events.clone();
-            tokio::spawn(async move {
-                let peer = address.to_string();
-                let mut link = Framed::new(stream, super::wire::LinkCodec::default());
-                match link::next_frame(&mut link, Duration::from_secs(5), &peer).await {
-                    Ok(Frame { body: FrameBody::Hello { worker, listen, metrics, pid }, .. }) => {
-                        let listen = reachable(&listen, &address);
-                        let joined = JoinedWorker { worker, pid, listen, metrics };
-                        let _ = events.send(LinkEvent::Rejoin { joined, link });
-                    }
-                    Ok(other) => {
-                        tracing::warn!(%peer, "refused a connection that did not say hello: {:?}", other.body)
-                    }
-                    Err(e) => tracing::warn!("refused a connection during the run: {e}"),
-                }
-            });
+    link::spawn_accept_loop(listener, Duration::from_secs(5), move |link, address, first| match first {
+        Ok(Frame { body: FrameBody::Hello { worker, listen, metrics, pid }, .. }) => {
+            let listen = reachable(&listen, &address);
+            let joined = JoinedWorker { worker, pid, listen, metrics };
+            let _ = events.send(LinkEvent::Rejoin { joined, link });
         }
+        Ok(other) => {
+            tracing::warn!(%address, "refused a connection that did not say hello: {:?}", other.body)
+        }
+        Err(e) => tracing::warn!("refused a connection during the run: {e}"),
     });
 }
 

@@ -21,6 +21,29 @@ pub type Link = Framed<TcpStream, LinkCodec>;
 /// Frames a process may queue for one link before the link counts as stuck.
 pub const LINK_QUEUE_FRAMES: usize = 1 << 16;
 
+/// Accepts connections on `listener` for as long as the process runs. Each connection's first
+/// frame is read (within `within`) on a task of its own, so a silent or slow peer holds no
+/// other up, and handed to `greet` with the link and the peer's address: the first frame
+/// says who the peer is, and `greet` decides what the link becomes.
+pub fn spawn_accept_loop(
+    listener: tokio::net::TcpListener,
+    within: Duration,
+    greet: impl Fn(Link, std::net::SocketAddr, Result<Frame, super::LiveError>) + Clone + Send + 'static,
+) {
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, address)) = listener.accept().await else { continue };
+            let _ = stream.set_nodelay(true);
+            let greet = greet.clone();
+            tokio::spawn(async move {
+                let mut link = Framed::new(stream, LinkCodec::default());
+                let first = next_frame(&mut link, within, &address.to_string()).await;
+                greet(link, address, first);
+            });
+        }
+    });
+}
+
 /// Reads `stream` until it ends, handing each frame but heartbeats to `to`. The end (with why)
 /// is the last thing it hands over.
 pub fn spawn_reader<E: Send + 'static>(

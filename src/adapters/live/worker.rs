@@ -844,49 +844,28 @@ fn spawn_accept(
     timing: LiveTiming,
     events: SyncSender<LinkEvent>,
 ) {
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, address)) = listener.accept().await else { continue };
-            let _ = stream.set_nodelay(true);
-            let events = events.clone();
-            tokio::spawn(async move {
-                let peer = address.to_string();
-                let mut link = Framed::new(stream, LinkCodec::default());
-                let hello = link::next_frame(&mut link, Duration::from_secs(5), &peer).await;
-                let (worker, generation) = match hello {
-                    Ok(Frame { body: FrameBody::PeerHello { run_id: r, worker, generation }, .. })
-                        if r == run_id =>
-                    {
-                        (worker, generation)
-                    }
-                    Ok(Frame { body: FrameBody::PeerHello { run_id: r, worker, .. }, .. }) => {
-                        tracing::warn!(%peer, %worker, "refused a peer of another run ({r})");
-                        return;
-                    }
-                    Ok(other) => {
-                        tracing::warn!(%peer, "refused a connection that did not introduce itself: {:?}", other.body);
-                        return;
-                    }
-                    Err(e) => {
-                        tracing::warn!("refused a connection: {e}");
-                        return;
-                    }
-                };
-                let (_, source) = link.split();
-                let done = link::spawn_reader(
-                    source,
-                    timing.silence_limit(),
-                    events,
-                    move |frame| LinkEvent::Peer { from: worker, generation, frame },
-                    move |why| LinkEvent::PeerGone {
-                        peer: worker,
-                        generation,
-                        why: format!("{peer}: {why}"),
-                    },
-                );
-                let _ = done.await;
-            });
-        }
+    link::spawn_accept_loop(listener, Duration::from_secs(5), move |link, address, hello| {
+        let (worker, generation) = match hello {
+            Ok(Frame { body: FrameBody::PeerHello { run_id: r, worker, generation }, .. }) if r == run_id => {
+                (worker, generation)
+            }
+            Ok(Frame { body: FrameBody::PeerHello { run_id: r, worker, .. }, .. }) => {
+                return tracing::warn!(%address, %worker, "refused a peer of another run ({r})");
+            }
+            Ok(other) => {
+                return tracing::warn!(%address, "refused a connection that did not introduce itself: {:?}", other.body);
+            }
+            Err(e) => return tracing::warn!("refused a connection: {e}"),
+        };
+        // The peer never reads on this connection: only the reading half is kept.
+        let (_, source) = link.split();
+        link::spawn_reader(
+            source,
+            timing.silence_limit(),
+            events.clone(),
+            move |frame| LinkEvent::Peer { from: worker, generation, frame },
+            move |why| LinkEvent::PeerGone { peer: worker, generation, why: format!("{address}: {why}") },
+        );
     });
 }
 
