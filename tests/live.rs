@@ -305,14 +305,23 @@ fn a_killed_worker_restarted_by_hand_takes_new_work_under_a_new_session() {
     wait_for_metrics(&metrics_of(&workers, "prefill-0"), Duration::from_secs(30), |m| {
         sample(m, "handoff_kv_blocks{").is_some() && pinned(m) > 0.0
     });
+    // A second process of a worker that is alive is refused, and says why: on this host its
+    // stream is locked; from another directory (another host) the frontend says no.
+    let elsewhere = out.with_file_name("elsewhere");
+    let mut duplicates =
+        [&out, &elsewhere].map(|dir| start_worker("decode", "1", &address, "127.0.0.1:0", dir));
     kill_9(member(&workers, "decode-0")["pid"].as_u64().unwrap());
-    // A hello while the old session still counts as in the run is refused: wait for the loss.
-    let until = Instant::now() + Duration::from_secs(20);
-    while !stderr_of(&out).contains("worker lost") {
-        assert!(Instant::now() < until, "the frontend never noticed the kill: {}", stderr_of(&out));
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    // Started at once: until the frontend finds the old session dead, it answers "not yet".
     let mut restarted = start_worker("decode", "0", &address, "127.0.0.1:0", &out);
+    let reasons = [
+        (&out, "held by another process of this worker"),
+        (&elsewhere, "decode-1: its session is still in the run"),
+    ];
+    for (d, (dir, why)) in duplicates.iter_mut().zip(reasons) {
+        assert!(!wait(d, Duration::from_secs(20), "a duplicate worker").success());
+        let err = std::fs::read_to_string(dir.with_extension("decode-1.stderr")).unwrap_or_default();
+        assert!(err.contains(why), "{err}");
+    }
     let status = wait(&mut child, Duration::from_secs(90), "live after a restart");
     let err = stderr_of(&out);
     let worker_err = std::fs::read_to_string(out.with_extension("decode-0.stderr")).unwrap_or_default();

@@ -259,6 +259,8 @@ async fn accept_workers(
         };
         if !workers.contains(&worker) || joined.contains_key(&worker) {
             tracing::warn!(%peer, %worker, "refused a worker this run does not have (or has already)");
+            let why = format!("this run has no {worker}, or has one already");
+            let _ = link::send_frame(&mut link, FrameBody::Refused { why, retry_for_ms: None }, &peer).await;
             continue;
         }
         // A worker listening on every interface is reached at the address it came from.
@@ -471,22 +473,37 @@ impl FrontendRun {
     /// run, one that left, a stranger, or any hello once the run is ending.
     fn rejoin(&mut self, joined: JoinedWorker, link: Link) {
         let worker = joined.worker;
-        let refuse =
-            |why: &str| tracing::warn!(%worker, pid = joined.pid, "refused a hello during the run: {why}");
-        let Some(m) = self.members.get(&worker) else { return refuse("not a worker of this run") };
+        // Told to the worker too, so it can say why it stops (or try again a little later).
+        let refuse = |link: Link, why: &str, retry_for: Option<Duration>| {
+            tracing::warn!(%worker, pid = joined.pid, "refused a hello during the run: {why}");
+            let body = FrameBody::Refused {
+                why: format!("{worker}: {why}"),
+                retry_for_ms: retry_for.map(|d| d.as_millis() as u64),
+            };
+            tokio::spawn(async move {
+                let mut link = link;
+                let _ = link::send_frame(&mut link, body, &worker.to_string()).await;
+            });
+        };
+        let Some(m) = self.members.get(&worker) else {
+            return refuse(link, "not a worker of this run", None);
+        };
         if self.shutting_down.is_some() {
-            return refuse("the run is ending");
+            return refuse(link, "the run is ending", None);
         }
         if m.said_bye {
-            return refuse("it left the run");
+            return refuse(link, "it left the run", None);
         }
         if m.to.is_some() {
-            return refuse("its session is still in the run");
+            // Its old process may be dead with its link not yet found silent, which takes at
+            // most the silence limit.
+            let wait = self.timing.silence_limit() * 2 + Duration::from_secs(1);
+            return refuse(link, "its session is still in the run", Some(wait));
         }
         let generation = Generation(m.generation.0.saturating_add(1));
         let to = open_link(worker, generation, link, &self.timing, &self.events_in);
         if to.try_send(Frame::new(self.welcome.frame(generation))).is_err() {
-            return refuse("its link closed at once");
+            return tracing::warn!(%worker, "refused a hello during the run: its link closed at once");
         }
         self.members.insert(worker, Member { to: Some(to), generation, said_bye: false });
         let entry = PeerAddress { worker, generation, address: joined.listen.clone() };

@@ -80,6 +80,10 @@ pub enum FrameBody {
     /// Frontend → workers: a worker's session ended without a word (its process died or
     /// went silent); each side reclaims what it holds for it.
     WorkerLost { worker: WorkerId, generation: Generation },
+    /// Frontend → worker, instead of a welcome: why this hello was not taken. With
+    /// `retry_for_ms`, the refusal may pass (the worker's earlier session is still counted in
+    /// the run until its link is found dead): the worker may say hello again for that long.
+    Refused { why: String, retry_for_ms: Option<u64> },
 }
 
 /// Where a worker listens for its peers.

@@ -96,7 +96,6 @@ async fn join(options: WorkerOptions) -> Result<Worker, LiveError> {
         None => None,
     };
     let metrics_address = metrics_listener.as_ref().and_then(|l| l.local_addr().ok()).map(|a| a.to_string());
-    let mut link = connect_frontend(&options.frontend).await?;
     let hello = FrameBody::Hello {
         worker: options.worker,
         listen,
@@ -104,11 +103,13 @@ async fn join(options: WorkerOptions) -> Result<Worker, LiveError> {
         pid: std::process::id(),
     };
     let peer = format!("frontend {}", options.frontend);
-    link::send_frame(&mut link, hello, &peer).await?;
-    let join = join_run(&mut link, &peer).await?;
+    // An earlier session's stream is claimed before the hello: a process of this worker that
+    // still runs (stopped, or cut off) keeps it, and two writers never share one file.
+    let lock = claim_stream(&options.out.join(stream_file_name(options.worker))).await?;
+    let (mut link, join) = say_hello(&options.frontend, hello, &peer).await?;
     let mut early = Vec::new();
     let (clock, sync) = probe_clock(&mut link, &join.timing, &peer, &mut early).await?;
-    let mut worker = Worker::new(&options, join, clock, sync, link, listener, metrics_listener)?;
+    let mut worker = Worker::new(&options, join, clock, sync, link, listener, metrics_listener, lock)?;
     for frame in early {
         worker.on_frontend_frame(frame)?;
     }
@@ -133,6 +134,38 @@ async fn connect_frontend(address: &str) -> Result<Link, LiveError> {
     }
 }
 
+/// Says hello until the frontend welcomes this worker, or refuses it for good. A refusal that
+/// may pass (a restarted worker whose old session the frontend has not yet found dead) is
+/// retried for as long as the frontend says.
+async fn say_hello(address: &str, hello: FrameBody, peer: &str) -> Result<(Link, Join), LiveError> {
+    let mut retry_until: Option<Instant> = None;
+    loop {
+        let mut link = connect_frontend(address).await?;
+        link::send_frame(&mut link, hello.clone(), peer).await?;
+        match join_run(&mut link, peer).await? {
+            Answer::Welcome(join) => return Ok((link, join)),
+            Answer::Refused { why, retry_for_ms } => {
+                // The first refusal that may pass sets how long to keep trying; one that
+                // cannot pass ends it.
+                if retry_until.is_none() {
+                    retry_until = retry_for_ms.map(|ms| Instant::now() + Duration::from_millis(ms));
+                }
+                if retry_for_ms.is_none() || retry_until.is_none_or(|u| Instant::now() >= u) {
+                    return Err(LiveError::Config(format!("{peer} refused the hello: {why}")));
+                }
+                tracing::warn!("{peer} refused the hello for now ({why}); saying it again");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// How the frontend answered a hello.
+enum Answer {
+    Welcome(Join),
+    Refused { why: String, retry_for_ms: Option<u64> },
+}
+
 /// What the frontend's welcome says.
 struct Join {
     run_id: uuid::Uuid,
@@ -142,20 +175,26 @@ struct Join {
     trace_json: String,
 }
 
-async fn join_run(link: &mut Link, peer: &str) -> Result<Join, LiveError> {
+async fn join_run(link: &mut Link, peer: &str) -> Result<Answer, LiveError> {
     // The frontend answers once every worker of the run has joined.
     let frame = link::next_frame(link, Duration::from_secs(120), peer).await?;
-    let FrameBody::Welcome { run_id, generation, config_json, timing, trace_json } = frame.body else {
-        return Err(LiveError::Link {
-            peer: peer.into(),
-            what: format!("expected a welcome, got {:?}", frame.body),
-        });
+    let (run_id, generation, config_json, timing, trace_json) = match frame.body {
+        FrameBody::Welcome { run_id, generation, config_json, timing, trace_json } => {
+            (run_id, generation, config_json, timing, trace_json)
+        }
+        FrameBody::Refused { why, retry_for_ms } => return Ok(Answer::Refused { why, retry_for_ms }),
+        other => {
+            return Err(LiveError::Link {
+                peer: peer.into(),
+                what: format!("expected a welcome, got {other:?}"),
+            })
+        }
     };
     let config: ReplayConfig = serde_json::from_str(&config_json)
         .map_err(|e| LiveError::Config(format!("{peer} sent a configuration this build cannot read: {e}")))?;
     config.validate().map_err(|e| LiveError::Config(e.to_string()))?;
     timing.validate()?;
-    Ok(Join { run_id, generation, config, timing, trace_json })
+    Ok(Answer::Welcome(Join { run_id, generation, config, timing, trace_json }))
 }
 
 /// Sets the model clock from the frontend's answers: the probe with the shortest round trip,
@@ -254,6 +293,8 @@ struct Worker {
     /// The model instant the session starts at: 0 for the run's first sessions (the clock's
     /// origin), the takeover's instant for a restarted worker.
     start_ns: u64,
+    /// Held for the process's life: no other process of this worker writes the stream.
+    _stream_lock: File,
     step_queued: bool,
     flush_due: bool,
     flushed_at: Instant,
@@ -273,6 +314,7 @@ impl Worker {
         link: Link,
         listener: TcpListener,
         metrics: Option<TcpListener>,
+        lock: Option<File>,
     ) -> Result<Self, LiveError> {
         let cfg = &join.config;
         let w = options.worker;
@@ -286,12 +328,33 @@ impl Worker {
         std::fs::create_dir_all(&options.out)
             .map_err(|e| LiveError::Io(format!("{}: {e}", options.out.display())))?;
         let path = options.out.join(stream_file_name(w));
-        let (stream, start_ns) = if join.generation > Generation(1) {
-            take_over_stream(&path, w, &join, &clock)?
-        } else if path.exists() {
-            return Err(LiveError::Config(format!("{}: a stream of {w} is there already", path.display())));
-        } else {
-            (StreamWriter::create(&path, &stream_header)?, 0)
+        let (stream, start_ns, lock) = match lock {
+            Some(lock) if join.generation > Generation(1) => {
+                let (stream, at) = take_over_stream(&path, w, &join, &clock)?;
+                (stream, at, lock)
+            }
+            Some(_) => {
+                return Err(LiveError::Config(format!(
+                    "{}: a stream of {w} is there already",
+                    path.display()
+                )))
+            }
+            None if join.generation > Generation(1) => {
+                return Err(LiveError::Config(format!(
+                    "{w} rejoins as session {}, but {} (its earlier sessions' stream) is not there: \
+                     start it with the --out its first process had",
+                    join.generation.0,
+                    path.display()
+                )))
+            }
+            None => {
+                let stream = StreamWriter::create(&path, &stream_header)?;
+                let lock =
+                    File::open(&path).map_err(|e| LiveError::Io(format!("{}: {e}", path.display())))?;
+                lock.try_lock()
+                    .map_err(|e| LiveError::Io(format!("{}: locking the stream: {e}", path.display())))?;
+                (stream, 0, lock)
+            }
         };
         let node = WorkerNode::new(w, core, node_config(cfg, policy)).with_generation(join.generation);
         let (events_in, events) = sync_channel(EVENT_QUEUE);
@@ -332,6 +395,7 @@ impl Worker {
             peers: PeerLinks { book: BTreeMap::new(), links: BTreeMap::new() },
             generations: BTreeMap::new(),
             start_ns,
+            _stream_lock: lock,
             step_queued: false,
             flush_due: false,
             flushed_at: Instant::now(),
@@ -746,6 +810,38 @@ impl Worker {
     }
 }
 
+/// How long a restarted worker waits for the process that held its stream to let it go (a
+/// killed one lets go as it exits).
+const CLAIM_WAIT: Duration = Duration::from_secs(3);
+
+/// Locks the stream at `path` if there is one (`None` when there is none yet), waiting up to
+/// [`CLAIM_WAIT`] for another process that holds it; still held then is an error naming it.
+async fn claim_stream(path: &std::path::Path) -> Result<Option<File>, LiveError> {
+    let file = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(LiveError::Io(format!("{}: {e}", path.display()))),
+    };
+    let until = Instant::now() + CLAIM_WAIT;
+    loop {
+        match file.try_lock() {
+            Ok(()) => return Ok(Some(file)),
+            Err(std::fs::TryLockError::WouldBlock) if Instant::now() < until => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(LiveError::Config(format!(
+                    "{}: held by another process of this worker that still runs; stop it first",
+                    path.display()
+                )))
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(LiveError::Io(format!("{}: locking the stream: {e}", path.display())))
+            }
+        }
+    }
+}
+
 /// Continues the stream of this worker's earlier session for a restarted process (the
 /// frontend welcomed it under a later generation). The stream must be this run's and this
 /// worker's; it is read whole and folded, so the successor knows what the dead session held;
@@ -759,13 +855,6 @@ fn take_over_stream(
     clock: &ModelClock,
 ) -> Result<(StreamWriter<BufWriter<File>>, u64), LiveError> {
     let shown = path.display();
-    if !path.exists() {
-        return Err(LiveError::Config(format!(
-            "{w} rejoins as session {}, but {shown} (its earlier sessions' stream) is not there: \
-             start it with the --out its first process had",
-            join.generation.0
-        )));
-    }
     let mut reader = crate::events::StreamReader::open(path)?;
     let header = reader.header().clone();
     if header.run_id != join.run_id || header.worker != w {
