@@ -563,6 +563,43 @@ fn source_first_stranded_source_stays_pinned_until_decode_reserves() {
     assert_eq!(net.count("LeaseExpired"), 0);
 }
 
+/// A decode worker lost (a live process killed) while a source is pinned for it: the frontend
+/// fails the request and tells the source why it lets go — its peer is gone — so the source
+/// ends `PeerLost` whether that word or its own link's end comes first.
+#[test]
+fn a_lost_decode_worker_ends_its_pinned_source_as_peer_lost() {
+    let mut net = Net::new(Backend::Vllm, None);
+    net.stalled = Some(1);
+    net.arrive(request());
+    let h = net.handoff();
+    // Pinned, and routed: the decode worker waits to reserve.
+    while !matches!(net.nodes[1].destination_state(h), Some(DestinationState::Reserving)) {
+        assert!(net.advance(), "the source never pinned with decode stalled");
+    }
+    assert!(matches!(net.nodes[0].source_state(h), Some(SourceState::Pinned { .. })));
+    let mut out = FrontendReady::default();
+    let decode = net.nodes[1].id();
+    net.frontend.worker_lost(net.now_ns, decode, &mut out);
+    let told: Vec<_> = out.sends.iter().map(|(to, m)| (*to, m.clone())).collect();
+    assert_eq!(
+        told,
+        vec![(
+            net.nodes[0].id(),
+            ToWorker::CancelHandoff { handoff: h, reason: handoff_ledger::ids::CancelReason::PeerLost }
+        )]
+    );
+    net.carry_frontend(out);
+    net.stalled = None;
+    net.run();
+    assert_eq!(net.ended[0].status, TerminalStatus::Failed);
+    let source_end = net.facts.iter().find_map(|(i, f)| match f {
+        Fact::HandoffCanceled { reason, .. } if *i == 0 => Some(*reason),
+        _ => None,
+    });
+    assert_eq!(source_end, Some(handoff_ledger::ids::CancelReason::PeerLost));
+    assert_eq!(net.nodes[0].core().snapshot().pinned_source_blocks, 0, "the pin is released");
+}
+
 #[test]
 fn source_first_lease_expiry_while_decode_waits_fails_the_request_and_frees_both_sides() {
     let mut net = Net::new(Backend::Vllm, None);

@@ -406,7 +406,7 @@ impl Frontend {
             ToFrontend::SessionStarted { generation } => {
                 let previous = self.generations.insert(from, generation);
                 if previous.is_some_and(|p| p < generation) {
-                    self.session_reset(at_ns, from, out);
+                    self.session_reset(at_ns, from, CancelReason::RequestAborted, out);
                     // A worker lost (and left out of routing) is back: a new process under
                     // this session, its KV index empty until its own facts fill it.
                     if let Ok(router) = self.router_mut(from.role) {
@@ -585,14 +585,15 @@ impl Frontend {
             }
         }
         if role == HandoffRole::Destination || !success {
-            self.fail_unless_activated(at_ns, request, out);
+            self.fail_unless_activated(at_ns, request, CancelReason::RequestAborted, out);
         }
         self.forget(handoff);
     }
 
-    /// A worker came back under a new session: every role the frontend still believes is on
-    /// it (one whose start was lost with the old session's connection) ended there, failed.
-    fn session_reset(&mut self, at_ns: u64, worker: WorkerId, out: &mut FrontendReady) {
+    /// A worker came back under a new session, or was lost: every role the frontend still
+    /// believes is on it (one whose start was lost with the old session's connection) ended
+    /// there, failed, and the other role of each is told `why` it lets go.
+    fn session_reset(&mut self, at_ns: u64, worker: WorkerId, why: CancelReason, out: &mut FrontendReady) {
         let mut lost = Vec::new();
         for (h, t) in &self.handoffs {
             let Some(p) = self.guards.get(&t.request).map(|g| g.placement) else { continue };
@@ -604,13 +605,15 @@ impl Frontend {
             }
         }
         for (h, role) in lost {
+            let Some(t) = self.handoffs.get_mut(&h) else { continue };
             // The old session's core held nothing for it any more either.
-            if let Some(t) = self.handoffs.get_mut(&h) {
-                if role == HandoffRole::Source {
-                    t.computing = false;
-                }
+            match role {
+                HandoffRole::Source => (t.source_held, t.computing) = (false, false),
+                HandoffRole::Destination => t.destination_held = false,
             }
-            self.role_ended(at_ns, h, role, false, false, out);
+            let request = t.request;
+            self.fail_unless_activated(at_ns, request, why, out);
+            self.forget(h);
         }
     }
 
@@ -619,7 +622,7 @@ impl Frontend {
     /// and routing leaves it out (while another worker of its role is left) until it comes
     /// back under a new session. Its peers reclaim their side themselves.
     pub fn worker_lost(&mut self, at_ns: u64, worker: WorkerId, out: &mut FrontendReady) {
-        self.session_reset(at_ns, worker, out);
+        self.session_reset(at_ns, worker, CancelReason::PeerLost, out);
         let decoding: Vec<RequestId> = self
             .guards
             .iter()
@@ -629,8 +632,10 @@ impl Frontend {
             })
             .map(|(r, _)| *r)
             .collect();
+        // The surviving role of each is told the cause: its peer is gone (as its own link
+        // would tell it, whichever comes first).
         for request in decoding {
-            self.terminal(at_ns, request, TerminalStatus::Failed, 0, out);
+            self.terminal_because(at_ns, request, TerminalStatus::Failed, 0, CancelReason::PeerLost, out);
         }
         if let Ok(router) = self.router_mut(worker.role) {
             // The last worker of a role stays: requests routed to it fail at once instead.
@@ -638,13 +643,19 @@ impl Frontend {
         }
     }
 
-    fn fail_unless_activated(&mut self, at_ns: u64, request: RequestId, out: &mut FrontendReady) {
+    fn fail_unless_activated(
+        &mut self,
+        at_ns: u64,
+        request: RequestId,
+        why: CancelReason,
+        out: &mut FrontendReady,
+    ) {
         let Some(g) = self.guards.get(&request) else { return };
         if g.activated {
             return;
         }
         let status = g.fail_status.unwrap_or(TerminalStatus::Failed);
-        self.terminal(at_ns, request, status, 0, out)
+        self.terminal_because(at_ns, request, status, 0, why, out)
     }
 
     /// Drops the correlation once no role holds the handoff and its request ended.
@@ -686,13 +697,26 @@ impl Frontend {
     }
 
     /// The request's terminal outcome: the guard frees its bookings exactly once, and a role
-    /// still holding the handoff is told to let go.
+    /// still holding the handoff is told to let go (the request was aborted).
     fn terminal(
         &mut self,
         at_ns: u64,
         request: RequestId,
         status: TerminalStatus,
         output_tokens: u32,
+        out: &mut FrontendReady,
+    ) {
+        self.terminal_because(at_ns, request, status, output_tokens, CancelReason::RequestAborted, out)
+    }
+
+    /// [`Frontend::terminal`], telling a role that still holds the handoff `why` it lets go.
+    fn terminal_because(
+        &mut self,
+        at_ns: u64,
+        request: RequestId,
+        status: TerminalStatus,
+        output_tokens: u32,
+        why: CancelReason,
         out: &mut FrontendReady,
     ) {
         let Some(g) = self.guards.remove(&request) else {
@@ -729,7 +753,7 @@ impl Frontend {
         out.facts.push(Fact::RequestFinished { request, status, output_tokens, kv: KvDelta::ZERO });
         if let (Some(h), Some(t)) = (g.placement.handoff, track) {
             if status != TerminalStatus::Completed {
-                let cancel = ToWorker::CancelHandoff { handoff: h, reason: CancelReason::RequestAborted };
+                let cancel = ToWorker::CancelHandoff { handoff: h, reason: why };
                 if let (true, Some(p)) = (t.source_held, g.placement.prefill) {
                     out.sends.push((p, cancel.clone()));
                 }

@@ -276,7 +276,7 @@ pub fn text(r: &InspectReport, path: &Path) -> String {
     for l in &r.workers_lost {
         let peers: Vec<String> = l.by_peer.iter().map(|(p, n)| format!("{p} {n}")).collect();
         let aftermath = format!(
-            "its peers ended {} handoff roles shared with it on their own (peer lost{}), and {} requests placed on it failed.",
+            "its peers ended {} handoff roles shared with it as peer lost{}, and {} requests placed on it failed.",
             l.peer_roles_ended,
             if peers.is_empty() { String::new() } else { format!(": {}", peers.join(", ")) },
             l.failed_requests

@@ -286,7 +286,8 @@ pub struct InspectReport {
 pub struct WorkerLoss {
     pub worker: WorkerId,
     pub stopped_at_ms: f64,
-    /// Handoff roles its peers ended on their own because it was gone (`PeerLost`).
+    /// Handoff roles its peers ended because it was gone (`PeerLost`: their own link to it
+    /// ended, or the frontend, failing the request, said so).
     pub peer_roles_ended: u64,
     pub by_peer: Vec<(String, u64)>,
     /// Requests placed on it that failed.
