@@ -13,7 +13,9 @@
 mod support;
 
 use handoff_ledger::events::{Fact, MessageRejection, TerminalStatus};
-use handoff_ledger::ids::{Backend, EndReason, HandoffId, HandoffPolicy, IdMint, RequestId, WorkerId};
+use handoff_ledger::ids::{
+    Backend, CancelReason, EndReason, HandoffId, HandoffPolicy, IdMint, RequestId, WorkerId,
+};
 use handoff_ledger::lifecycle::policy::{expected_order, observed_order};
 use handoff_ledger::lifecycle::{
     DestinationAction, DestinationEvent, HandoffMessage, SourceAction, SourceEvent,
@@ -533,26 +535,34 @@ fn destination_first_composed_reserves_before_dispatch() {
     assert!(reserved < dispatched, "SGLang gate: the prefill ran before the destination was reserved");
 }
 
-#[test]
-fn source_first_stranded_source_stays_pinned_until_decode_reserves() {
-    // The decode engine makes no progress: its reservation is never applied while the source
-    // holds its pin.
+/// Whether `h`'s source is pinned while its destination waits to reserve.
+fn stranded(net: &Net, h: HandoffId) -> bool {
+    matches!(net.nodes[0].source_state(h), Some(SourceState::Pinned { .. }))
+        && matches!(net.nodes[1].destination_state(h), Some(DestinationState::Reserving))
+}
+
+/// vLLM with its decode engine making no progress: run until the one request's source is
+/// pinned and its destination waits to reserve (a reservation never applied while the source
+/// holds its pin).
+fn stranded_net() -> (Net, HandoffId) {
     let mut net = Net::new(Backend::Vllm, None);
     net.stalled = Some(1);
     net.arrive(request());
     let h = net.handoff();
-    let stranded = |net: &Net| {
-        matches!(net.nodes[0].source_state(h), Some(SourceState::Pinned { .. }))
-            && matches!(net.nodes[1].destination_state(h), Some(DestinationState::Reserving))
-    };
-    while !stranded(&net) {
+    while !stranded(&net, h) {
         assert!(net.advance(), "the source never pinned with decode stalled");
     }
+    (net, h)
+}
+
+#[test]
+fn source_first_stranded_source_stays_pinned_until_decode_reserves() {
+    let (mut net, h) = stranded_net();
     // Time passes, short of the lease: the source keeps its pin.
     while net.timed.first_key_value().is_some_and(|((at, _), _)| *at < LEASE_NS / 2) {
         net.advance();
     }
-    assert!(stranded(&net), "stranded prefill KV stays pinned");
+    assert!(stranded(&net, h), "stranded prefill KV stays pinned");
     assert!(matches!(net.nodes[1].destination_state(h), Some(DestinationState::Reserving)));
     assert!(net.nodes[0].core().snapshot().pinned_source_blocks > 0);
     // Capacity comes back before the lease ends; the handoff completes.
@@ -568,25 +578,14 @@ fn source_first_stranded_source_stays_pinned_until_decode_reserves() {
 /// ends `PeerLost` whether that word or its own link's end comes first.
 #[test]
 fn a_lost_decode_worker_ends_its_pinned_source_as_peer_lost() {
-    let mut net = Net::new(Backend::Vllm, None);
-    net.stalled = Some(1);
-    net.arrive(request());
-    let h = net.handoff();
-    // Pinned, and routed: the decode worker waits to reserve.
-    while !matches!(net.nodes[1].destination_state(h), Some(DestinationState::Reserving)) {
-        assert!(net.advance(), "the source never pinned with decode stalled");
-    }
-    assert!(matches!(net.nodes[0].source_state(h), Some(SourceState::Pinned { .. })));
+    let (mut net, h) = stranded_net();
     let mut out = FrontendReady::default();
     let decode = net.nodes[1].id();
     net.frontend.worker_lost(net.now_ns, decode, &mut out);
     let told: Vec<_> = out.sends.iter().map(|(to, m)| (*to, m.clone())).collect();
     assert_eq!(
         told,
-        vec![(
-            net.nodes[0].id(),
-            ToWorker::CancelHandoff { handoff: h, reason: handoff_ledger::ids::CancelReason::PeerLost }
-        )]
+        vec![(net.nodes[0].id(), ToWorker::CancelHandoff { handoff: h, reason: CancelReason::PeerLost })]
     );
     net.carry_frontend(out);
     net.stalled = None;
@@ -596,7 +595,7 @@ fn a_lost_decode_worker_ends_its_pinned_source_as_peer_lost() {
         Fact::HandoffCanceled { reason, .. } if *i == 0 => Some(*reason),
         _ => None,
     });
-    assert_eq!(source_end, Some(handoff_ledger::ids::CancelReason::PeerLost));
+    assert_eq!(source_end, Some(CancelReason::PeerLost));
     assert_eq!(net.nodes[0].core().snapshot().pinned_source_blocks, 0, "the pin is released");
 }
 
