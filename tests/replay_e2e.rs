@@ -19,6 +19,11 @@ fn records(run: &Path) -> Vec<(WorkerId, u64, Fact)> {
     std::iter::from_fn(|| r.next_record().unwrap()).map(|(w, rec)| (w, rec.at_ns, rec.fact)).collect()
 }
 
+/// `replay TRACE ARGS --out OUT`, which must refuse (exit 2); the caller checks what it said.
+fn replay_refused(trace: &str, args: &[&str], out: &Path) -> assert_cmd::assert::Assert {
+    cli().arg("replay").arg(fixture(trace)).args(args).arg("--out").arg(out).assert().code(2)
+}
+
 fn dir_bytes(dir: &Path) -> BTreeMap<String, Vec<u8>> {
     std::fs::read_dir(dir)
         .unwrap()
@@ -76,13 +81,7 @@ fn a_v1_run_and_a_v2_run_of_one_replay_are_equivalent() {
         cli().arg("diff").arg(&v1).arg(&v2).assert().code(0);
         cli().arg("diff").arg(&v2).arg(&v1).assert().code(0);
     }
-    cli()
-        .arg("replay")
-        .arg(fixture("traces/mooncake-200.jsonl"))
-        .args(["--log-format", "3", "--out"])
-        .arg(t.path().join("x"))
-        .assert()
-        .code(2)
+    replay_refused("traces/mooncake-200.jsonl", &["--log-format", "3"], &t.path().join("x"))
         .stderr(predicate::str::contains("--log-format"));
 }
 
@@ -337,18 +336,10 @@ fn capacity_is_conserved_and_everything_drains() {
 #[test]
 fn a_malformed_trace_line_is_named() {
     let t = tempfile::tempdir().unwrap();
-    cli()
-        .arg("replay")
-        .arg(fixture("traces/malformed-json.jsonl"))
-        .args(SMALL)
-        .arg("--out")
-        .arg(t.path().join("x"))
-        .assert()
-        .code(2)
-        .stderr(
-            predicate::str::contains("malformed-json.jsonl:")
-                .and(predicate::str::is_match(r"\.jsonl:\d+: ").unwrap()),
-        );
+    replay_refused("traces/malformed-json.jsonl", SMALL, &t.path().join("x")).stderr(
+        predicate::str::contains("malformed-json.jsonl:")
+            .and(predicate::str::is_match(r"\.jsonl:\d+: ").unwrap()),
+    );
 }
 
 #[test]
@@ -356,23 +347,9 @@ fn an_invalid_configuration_is_refused_with_its_reason() {
     let t = tempfile::tempdir().unwrap();
     let cfg = t.path().join("bad.json");
     std::fs::write(&cfg, r#"{ "prefill_workers": 2, "decode_workers": 2, "lease_msec": 5 }"#).unwrap();
-    cli()
-        .arg("replay")
-        .arg(fixture("traces/mooncake-200.jsonl"))
-        .arg("--config")
-        .arg(&cfg)
-        .arg("--out")
-        .arg(t.path().join("x"))
-        .assert()
-        .code(2)
+    replay_refused("traces/mooncake-200.jsonl", &["--config", cfg.to_str().unwrap()], &t.path().join("x"))
         .stderr(predicate::str::contains("bad.json").and(predicate::str::contains("lease_msec")));
-    cli()
-        .arg("replay")
-        .arg(fixture("traces/mooncake-200.jsonl"))
-        .args(["--prefill", "2", "--decode", "0", "--out"])
-        .arg(t.path().join("y"))
-        .assert()
-        .code(2)
+    replay_refused("traces/mooncake-200.jsonl", &["--prefill", "2", "--decode", "0"], &t.path().join("y"))
         .stderr(predicate::str::contains("prefill and decode workers"));
 }
 
@@ -1572,15 +1549,7 @@ fn scaling_configuration_errors_name_the_entry_or_key() {
     }
     // Scaling needs roles to scale.
     let cfg = write_config(t.path(), "agg.json", r#"{ "workers": 2, "scale": [{"at_ms": 1, "decode": 1}] }"#);
-    cli()
-        .arg("replay")
-        .arg(fixture("traces/cascade.jsonl"))
-        .arg("--config")
-        .arg(&cfg)
-        .arg("--out")
-        .arg(t.path().join("agg"))
-        .assert()
-        .code(2)
+    replay_refused("traces/cascade.jsonl", &["--config", cfg.to_str().unwrap()], &t.path().join("agg"))
         .stderr(predicate::str::contains("scale: scaling changes prefill and decode workers"));
 }
 

@@ -14,7 +14,7 @@ use super::error::LogError;
 use super::frame::{self, TornTail};
 use super::layout::{LogFormat, SegmentKind, FILE_BUFFER_BYTES, FRAME_PREFIX_BYTES, MAGIC};
 use super::reader::StreamReader;
-use super::{Fact, StreamHeader};
+use super::{Fact, Record, StreamHeader};
 use std::fs::{File, OpenOptions};
 use std::io::{BufReader, BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -236,6 +236,15 @@ impl StreamWriter<BufWriter<File>> {
     /// continuing from it (in v2 the next block starts a new epoch). Any other damage is an
     /// error and nothing is written.
     pub fn open_append(path: impl AsRef<Path>) -> Result<(Self, Option<TornTail>), LogError> {
+        Self::open_append_observing(path, |_| {})
+    }
+
+    /// [`StreamWriter::open_append`], handing every sound record to `observe` on the way (a
+    /// restarted live worker folds what its dead session held in the same pass).
+    pub fn open_append_observing(
+        path: impl AsRef<Path>,
+        mut observe: impl FnMut(&Record),
+    ) -> Result<(Self, Option<TornTail>), LogError> {
         let path = path.as_ref();
         let io = |e| LogError::io(path, e);
         let mut file = OpenOptions::new().read(true).write(true).open(path).map_err(io)?;
@@ -245,6 +254,7 @@ impl StreamWriter<BufWriter<File>> {
             let mut last_at_ns = 0;
             while let Some(rec) = reader.next_record()? {
                 last_at_ns = rec.at_ns;
+                observe(&rec);
             }
             let format = reader.format();
             (

@@ -46,6 +46,28 @@ impl std::fmt::Display for KvCapacitySnapshot {
 }
 
 impl KvCapacitySnapshot {
+    /// The delta that frees everything this holds: every block in use or cached back to free,
+    /// every slot and headroom token given back (what a dead process's pool becomes in the
+    /// process that succeeds it). `None` when a class does not fit a delta.
+    pub fn release_all(&self) -> Option<KvDelta> {
+        let count = |v: u64| i32::try_from(v).ok();
+        let (active, pinned, reserved, cached) = (
+            count(self.active_blocks)?,
+            count(self.pinned_source_blocks)?,
+            count(self.reserved_destination_blocks)?,
+            count(self.cached_free_blocks)?,
+        );
+        Some(KvDelta {
+            active: -active,
+            pinned_source: -pinned,
+            reserved_destination: -reserved,
+            cached_free: -cached,
+            free: active.checked_add(pinned)?.checked_add(reserved)?.checked_add(cached)?,
+            slots: -count(self.request_slots_used)?,
+            headroom_tokens: -count(self.decode_headroom_tokens)?,
+        })
+    }
+
     /// Whether every block is free or cached and no slot or headroom is held.
     pub fn is_drained(&self) -> bool {
         self.kv_used_blocks() == 0 && self.request_slots_used == 0 && self.decode_headroom_tokens == 0
@@ -112,5 +134,24 @@ mod tests {
         assert!(s.apply(&KvDelta { active: -1, free: 1, ..KvDelta::ZERO }).is_err());
         assert!(s.apply(&KvDelta { free: -1, ..KvDelta::ZERO }).is_err(), "not conserved");
         assert_eq!(s, before);
+    }
+
+    #[test]
+    fn release_all_leaves_an_empty_pool() {
+        let mut s = KvCapacitySnapshot::empty(10);
+        s.apply(&KvDelta {
+            free: -7,
+            active: 3,
+            pinned_source: 2,
+            cached_free: 2,
+            slots: 2,
+            ..KvDelta::ZERO
+        })
+        .unwrap();
+        s.apply(&KvDelta { headroom_tokens: 40, ..KvDelta::ZERO }).unwrap();
+        s.apply(&s.release_all().unwrap()).unwrap();
+        assert_eq!(s, KvCapacitySnapshot::empty(10));
+        let huge = KvCapacitySnapshot { active_blocks: u64::MAX, ..KvCapacitySnapshot::empty(0) };
+        assert_eq!(huge.release_all(), None);
     }
 }

@@ -466,16 +466,33 @@ impl FrontendRun {
         }
     }
 
+    /// Why a hello from `worker` cannot be taken during the run, if it cannot, and for how long
+    /// it may be said again: a stranger, a worker that left, any hello once the run is ending,
+    /// and a worker whose session still counts as in the run (its old process may be dead
+    /// with its link not yet found silent, which takes at most the silence limit).
+    fn rejoin_refusal(&self, worker: WorkerId) -> Option<(&'static str, Option<Duration>)> {
+        let Some(m) = self.members.get(&worker) else { return Some(("not a worker of this run", None)) };
+        if self.shutting_down.is_some() {
+            Some(("the run is ending", None))
+        } else if m.said_bye {
+            Some(("it left the run", None))
+        } else if m.to.is_some() {
+            let wait = self.timing.silence_limit() * 2 + Duration::from_secs(1);
+            Some(("its session is still in the run", Some(wait)))
+        } else {
+            None
+        }
+    }
+
     /// A lost worker's restarted process said hello: it is welcomed under the next session,
     /// and every other worker learns where that session listens (before any work can be
     /// routed to it, which waits for its `SessionStarted` report). Its clock probes and its
-    /// `Ready` are answered as at the start. Anything else is refused: a worker still in the
-    /// run, one that left, a stranger, or any hello once the run is ending.
+    /// `Ready` are answered as at the start. Anything else is refused, saying why.
     fn rejoin(&mut self, joined: JoinedWorker, link: Link) {
         let worker = joined.worker;
-        // Told to the worker too, so it can say why it stops (or try again a little later).
-        let refuse = |link: Link, why: &str, retry_for: Option<Duration>| {
+        if let Some((why, retry_for)) = self.rejoin_refusal(worker) {
             tracing::warn!(%worker, pid = joined.pid, "refused a hello during the run: {why}");
+            // Told to the worker too, so it can say why it stops (or try again a little later).
             let body = FrameBody::Refused {
                 why: format!("{worker}: {why}"),
                 retry_for_ms: retry_for.map(|d| d.as_millis() as u64),
@@ -484,32 +501,18 @@ impl FrontendRun {
                 let mut link = link;
                 let _ = link::send_frame(&mut link, body, &worker.to_string()).await;
             });
-        };
-        let Some(m) = self.members.get(&worker) else {
-            return refuse(link, "not a worker of this run", None);
-        };
-        if self.shutting_down.is_some() {
-            return refuse(link, "the run is ending", None);
+            return;
         }
-        if m.said_bye {
-            return refuse(link, "it left the run", None);
-        }
-        if m.to.is_some() {
-            // Its old process may be dead with its link not yet found silent, which takes at
-            // most the silence limit.
-            let wait = self.timing.silence_limit() * 2 + Duration::from_secs(1);
-            return refuse(link, "its session is still in the run", Some(wait));
-        }
-        let generation = Generation(m.generation.0.saturating_add(1));
+        let generation = Generation(self.members[&worker].generation.0.saturating_add(1));
         let to = open_link(worker, generation, link, &self.timing, &self.events_in);
         if to.try_send(Frame::new(self.welcome.frame(generation))).is_err() {
             return tracing::warn!(%worker, "refused a hello during the run: its link closed at once");
         }
         self.members.insert(worker, Member { to: Some(to), generation, said_bye: false });
         let entry = PeerAddress { worker, generation, address: joined.listen.clone() };
-        match self.book.iter_mut().find(|p| p.worker == worker) {
-            Some(p) => *p = entry.clone(),
-            None => self.book.push(entry.clone()),
+        // Every member has its entry in the book from the start.
+        if let Some(p) = self.book.iter_mut().find(|p| p.worker == worker) {
+            *p = entry.clone();
         }
         for w in self.members.keys().copied().collect::<Vec<_>>() {
             if w != worker {

@@ -855,8 +855,7 @@ fn take_over_stream(
     clock: &ModelClock,
 ) -> Result<(StreamWriter<BufWriter<File>>, u64), LiveError> {
     let shown = path.display();
-    let mut reader = crate::events::StreamReader::open(path)?;
-    let header = reader.header().clone();
+    let header = crate::events::StreamReader::open(path)?.header().clone();
     if header.run_id != join.run_id || header.worker != w {
         return Err(LiveError::Config(format!(
             "{shown}: the stream of {} in run {}, not of {w} in run {}",
@@ -865,50 +864,29 @@ fn take_over_stream(
     }
     let mut fold = crate::projections::worker::WorkerFold::new(&header).without_queues();
     let mut lost = Generation(1);
-    while let Some(rec) = reader.next_record()? {
+    let (mut stream, torn) = StreamWriter::open_append_observing(path, |rec| {
         if let Fact::SessionStarted { generation } = rec.fact {
             lost = generation;
         }
         // A contradiction is the dead session's own; the successor still starts clean.
-        let _ = fold.apply(&rec);
-    }
-    drop(reader);
+        let _ = fold.apply(rec);
+    })?;
     if lost >= join.generation {
         return Err(LiveError::Config(format!(
             "{shown}: {w}'s stream already has session {}; the frontend welcomed it as {}",
             lost.0, join.generation.0
         )));
     }
-    let (mut stream, torn) = StreamWriter::open_append(path)?;
     if let Some(t) = torn {
         tracing::warn!(worker = %w, "{shown}: cut the torn tail the dead session left ({} bytes at offset {})", t.bytes, t.offset);
     }
     let at_ns = clock.now_ns().max(stream.last_at_ns());
-    let kv = returned(&fold.capacity).map_err(|e| LiveError::Config(format!("{shown}: {e}")))?;
+    let kv = fold.capacity.release_all().ok_or_else(|| {
+        LiveError::Config(format!("{shown}: the dead session held more blocks than a delta carries"))
+    })?;
     stream.append(at_ns, &Fact::SessionLost { generation: lost, kv })?;
     stream.append(at_ns, &Fact::KvCleared)?;
     Ok((stream, at_ns))
-}
-
-/// The delta that gives every held and cached block back to free, and every slot and
-/// headroom token back: what a dead process's pool becomes in its successor.
-fn returned(held: &crate::model::capacity::KvCapacitySnapshot) -> Result<crate::events::KvDelta, String> {
-    let count = |v: u64| i32::try_from(v).map_err(|_| format!("{v} blocks do not fit a delta"));
-    let (active, pinned, reserved, cached) = (
-        count(held.active_blocks)?,
-        count(held.pinned_source_blocks)?,
-        count(held.reserved_destination_blocks)?,
-        count(held.cached_free_blocks)?,
-    );
-    Ok(crate::events::KvDelta {
-        active: -active,
-        pinned_source: -pinned,
-        reserved_destination: -reserved,
-        cached_free: -cached,
-        free: active + pinned + reserved + cached,
-        slots: -count(held.request_slots_used)?,
-        headroom_tokens: -count(held.decode_headroom_tokens)?,
-    })
 }
 
 /// A fact after which the stream is flushed at once: the end of a request or of a handoff's
